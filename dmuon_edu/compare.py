@@ -1,0 +1,32 @@
+"""Comparing two runs parameter by parameter: how every equivalence in the course is proven."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["max_parameter_difference"]
+
+
+def max_parameter_difference(
+    a: torch.nn.Module | Iterable[torch.Tensor], b: torch.nn.Module | Iterable[torch.Tensor]
+) -> float:
+    """Largest absolute difference between corresponding parameters of two models (or tensor lists)."""
+    tensors_a, tensors_b = _tensors(a), _tensors(b)
+    if len(tensors_a) != len(tensors_b):
+        raise ValueError(f"cannot compare {len(tensors_a)} parameters with {len(tensors_b)}: build both models the same way")
+    largest = 0.0
+    for index, (x, y) in enumerate(zip(tensors_a, tensors_b)):
+        if x.shape != y.shape:
+            raise ValueError(f"parameter {index} has shape {tuple(x.shape)} in one model and {tuple(y.shape)} in the other")
+        largest = max(largest, (x.detach().float() - y.detach().float().to(x.device)).abs().max().item())
+    return largest
+
+
+def _tensors(model_or_tensors) -> list[torch.Tensor]:
+    if isinstance(model_or_tensors, torch.nn.Module):
+        return list(model_or_tensors.parameters())
+    if isinstance(model_or_tensors, torch.Tensor):
+        raise TypeError("pass a model or a list of tensors, not a single tensor")
+    return list(model_or_tensors)

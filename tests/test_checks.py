@@ -1,0 +1,111 @@
+"""The self-check recognises a correct answer and names each common mistake.
+
+The wrong answers here are written the way a learner writes them, not taken
+from dmuon_edu.pitfalls, so that the checker is tested against code it has
+never seen.
+"""
+
+import re
+
+import pytest
+
+from dmuon_edu.checks import RESULT_LINE, check, run_check
+
+
+def learner_correct(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    n_total = sum(t.shape[0] for _, t in microbatches)
+    total = 0.0
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t) * (t.shape[0] / n_total)
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def learner_no_scaling(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    total = 0.0
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t)
+        loss.backward()
+        total += loss.item() * t.shape[0]
+    optimizer.step()
+    return total / sum(t.shape[0] for _, t in microbatches)
+
+
+def learner_zero_grad_in_loop(model, optimizer, microbatches, loss_fn):
+    n_total = sum(t.shape[0] for _, t in microbatches)
+    total = 0.0
+    for x, t in microbatches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), t) * t.shape[0] / n_total
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def learner_seed_reference(model, optimizer, microbatches, loss_fn):
+    """Seed 003's reference: right for equal sizes, 1/N for unequal ones."""
+    optimizer.zero_grad()
+    n = len(microbatches)
+    total_loss = 0.0
+    for inputs, targets in microbatches:
+        loss = loss_fn(model(inputs), targets) / n
+        loss.backward()
+        total_loss += loss.item() * n
+    optimizer.step()
+    return total_loss / n
+
+
+def learner_logs_scaled_loss(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    n_total = sum(t.shape[0] for _, t in microbatches)
+    total = 0.0
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t) * t.shape[0] / n_total
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    return total / len(microbatches)
+
+
+def learner_stub(model, optimizer, microbatches, loss_fn):
+    raise NotImplementedError("Exercise: replace this line with your code")
+
+
+def learner_crashes(model, optimizer, microbatches, loss_fn):
+    return model(microbatches)
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (learner_correct, "PASS", "equals one full-batch step"),
+        (learner_no_scaling, "FAIL", "N times too large"),
+        (learner_zero_grad_in_loop, "FAIL", "zero_grad\\(\\) is inside the micro-batch loop"),
+        (learner_seed_reference, "FAIL", "unequal size .* share of the samples"),
+        (learner_logs_scaled_loss, "FAIL", "returned loss is N times too small"),
+        (learner_stub, "TODO", "not attempted"),
+        (learner_crashes, "FAIL", "raised TypeError"),
+    ],
+)
+def test_verdicts_name_the_mistake(candidate, status, hint):
+    result = run_check("train_step_with_accumulation", candidate)
+    assert result.status == status, str(result)
+    assert re.search(hint, result.message), str(result)
+
+
+def test_check_prints_one_parseable_line(capsys):
+    check("train_step_with_accumulation", learner_no_scaling)
+    line = capsys.readouterr().out.strip()
+    assert RESULT_LINE.match(line).groups()[:2] == ("FAIL", "train_step_with_accumulation")
+
+
+def test_unknown_exercise_and_non_callable_are_refused():
+    with pytest.raises(ValueError, match="known exercises"):
+        run_check("no_such_exercise", learner_correct)
+    with pytest.raises(TypeError, match="pass your function itself"):
+        run_check("train_step_with_accumulation", 1.0)
