@@ -24,7 +24,8 @@ $(INSTALLED): pyproject.toml $(CONSTRAINTS)
 
 ## Start JupyterLab on the course (prints its URL; opens a browser where there is one).
 lab: install
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --ServerApp.default_url=/lab/tree/notebooks
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --ServerApp.default_url=/lab/tree/notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## The whole suite, stage by stage, with the time each stage took.
 test:
