@@ -1,8 +1,9 @@
 """The classic gradient-accumulation bugs, written out so that they can be run.
 
-Each function has the signature of
-:func:`dmuon_edu.accumulation.train_step_with_accumulation` and makes exactly
-one mistake. The course runs them to show what each mistake does to the
+Each window-level function has the signature of
+:func:`dmuon_edu.accumulation.train_step_with_accumulation`; each epoch-level
+one (``*_leftover_window``) runs a whole list of batches with ``accum_steps``.
+Each makes exactly one mistake. The course runs them to show what each mistake does to the
 update, and :mod:`dmuon_edu.checks` runs them to recognise a learner's mistake
 by its effect.
 """
@@ -15,6 +16,8 @@ __all__ = [
     "never_zero_grad",
     "step_every_microbatch",
     "mean_of_microbatch_means",
+    "drop_leftover_window",
+    "underweight_leftover_window",
 ]
 
 
@@ -87,3 +90,30 @@ def mean_of_microbatch_means(model, optimizer, microbatches, loss_fn) -> float:
         losses.append(loss.item() * n)
     optimizer.step()
     return sum(losses) / n
+
+
+def drop_leftover_window(model, optimizer, batches, loss_fn, accum_steps) -> None:
+    """Steps only when ``(i + 1) % accum_steps == 0``: a last window of r < N batches is never applied.
+
+    Its gradient stays in ``.grad`` and leaks into whatever runs next.
+    """
+    optimizer.zero_grad()
+    for i, (inputs, targets) in enumerate(batches):
+        (loss_fn(model(inputs), targets) / accum_steps).backward()
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def underweight_leftover_window(model, optimizer, batches, loss_fn, accum_steps) -> None:
+    """Steps on the last window too, but divides every loss by the configured ``accum_steps``.
+
+    A last window of r < N batches is applied with weight r/N instead of 1:
+    what Accelerate and Lightning do.
+    """
+    optimizer.zero_grad()
+    for i, (inputs, targets) in enumerate(batches):
+        (loss_fn(model(inputs), targets) / accum_steps).backward()
+        if (i + 1) % accum_steps == 0 or i + 1 == len(batches):
+            optimizer.step()
+            optimizer.zero_grad()
