@@ -11,59 +11,241 @@ gradient of the full-batch mean loss::
 so micro-batch ``i``'s loss is scaled by its share ``n_i / n`` of the window's
 samples before its backward. With equal micro-batches that share is the
 familiar ``1 / N``.
+
+Language models average over *tokens*, and micro-batches of padded sequences
+hold very different numbers of them. There the loss function returns
+``(sum_loss, num_items)`` and the window's loss is ``sum_i S_i / sum_i c_i``.
+
+In a real loop the rest follows from "one window = one optimizer step":
+clip once after the last backward, step the scheduler once, and with AMP keep
+one loss scale through the window and unscale once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.amp.grad_scaler import OptState
+from tqdm.auto import tqdm
 
-__all__ = ["train_step_with_accumulation"]
+__all__ = ["train_step_with_accumulation", "accumulation_windows", "train", "summed_token_loss", "IGNORE_INDEX"]
 
 Microbatch = tuple[object, torch.Tensor]
+IGNORE_INDEX = -100  # the label of padding, as in torch.nn.functional.cross_entropy
 
 
 def train_step_with_accumulation(
-    model: torch.nn.Module,
+    model: Callable,
     optimizer: torch.optim.Optimizer,
     microbatches: Sequence[Microbatch],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> float:
-    """One optimizer step accumulated over ``microbatches``.
+    """One optimizer step accumulated over ``microbatches``; returns the window's mean loss.
 
     ``microbatches`` is a list of ``(inputs, targets)`` pairs; ``targets`` is a
-    tensor whose first dimension counts the micro-batch's samples. ``loss_fn``
-    returns the micro-batch's *mean* loss. Each loss is scaled by the
-    micro-batch's share of the window's samples, so the update equals one
-    step on the concatenated batch, also when the micro-batches differ in
-    size.
+    tensor whose first dimension counts the micro-batch's samples. ``model`` is
+    anything that maps ``inputs`` to predictions (wrap it to add autocast).
 
-    Returns the window's mean loss (the full-batch mean), as a float.
+    ``loss_fn(predictions, targets)`` returns either
+
+    - a scalar *mean* loss: each micro-batch is weighted by its share of the
+      window's samples, or
+    - a pair ``(sum_loss, num_items)``, e.g. summed over non-padding tokens
+      (see :func:`summed_token_loss`): the window's loss is the total sum over
+      the total count.
+
+    Either way the update equals one step on the concatenated batch.
+
+    - ``max_grad_norm``: clip the window's gradient once, after the last
+      backward (and after unscaling, with a scaler).
+    - ``scheduler``: stepped once, after the optimizer step.
+    - ``scaler``: an AMP ``torch.amp.GradScaler``; one loss scale for the whole
+      window, ``unscale_`` once, ``scaler.step`` and ``scaler.update`` once.
     """
     if not callable(loss_fn):
         raise TypeError(
             f"loss_fn must be callable, got {type(loss_fn).__name__}; "
             "pass a function such as torch.nn.functional.mse_loss"
         )
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}")
+    if scaler is not None:
+        _require_fresh_scaler_window(scaler, optimizer)
     sample_counts = _sample_counts(microbatches)
-    total_samples = sum(sample_counts)
 
     optimizer.zero_grad()  # once per window: every backward below must add up
-    window_loss = 0.0
+    window = _Window(n_microbatches=len(microbatches), total_samples=sum(sample_counts))
     for (inputs, targets), n_samples in zip(microbatches, sample_counts):
-        loss = loss_fn(model(inputs), targets)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        scaled_loss = window.add(loss_fn(model(inputs), targets), n_samples)
+        (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
+    window.correct_gradients(optimizer)
+
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # before clipping, so the norm is the true one
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(_parameters_with_grad(optimizer), max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step if unscale_ found inf/NaN
+        scaler.update()
+    else:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return window.mean_loss()
+
+
+class _Window:
+    """Weights and bookkeeping for one accumulation window.
+
+    Mean losses: the sample counts are known before any forward, so each loss
+    is scaled by its exact share before its backward. Summed losses: the total
+    item count is known only after the last forward, so each sum is divided by
+    a provisional total (first count x N, exact when micro-batches hold equal
+    counts) and the gradients are rescaled once at the end.
+    """
+
+    def __init__(self, n_microbatches: int, total_samples: int):
+        self.n_microbatches, self.total_samples = n_microbatches, total_samples
+        self.summed: bool | None = None
+        self.loss_total = 0.0
+        self.item_total = 0
+        self.provisional_total: int | None = None
+
+    def add(self, loss_output, n_samples: int) -> torch.Tensor:
+        summed = isinstance(loss_output, (tuple, list))
+        if self.summed is not None and summed != self.summed:
+            raise ValueError("loss_fn returned a mean for some micro-batches and a (sum, count) pair for others")
+        self.summed = summed
+        if not summed:
+            loss = _scalar(loss_output, "loss_fn must return a scalar mean loss")
+            share = n_samples / self.total_samples
+            self.loss_total += loss.item() * share
+            return loss * share
+        if len(loss_output) != 2:
+            raise ValueError(f"loss_fn returned a {len(loss_output)}-tuple; return (sum_loss, num_items)")
+        loss_sum = _scalar(loss_output[0], "the sum_loss of loss_fn's (sum_loss, num_items)")
+        count = int(loss_output[1])
+        if count < 0:
+            raise ValueError(f"num_items must be >= 0, got {count}")
+        if self.provisional_total is None:
+            self.provisional_total = max(count, 1) * self.n_microbatches
+        self.loss_total += loss_sum.item()
+        self.item_total += count
+        return loss_sum / self.provisional_total
+
+    def correct_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.summed:
+            return
+        if self.item_total == 0:
             raise ValueError(
-                f"loss_fn must return a scalar mean loss, got {shape}; "
-                "use reduction='mean' (or call .mean() on the per-sample losses)"
+                "the window holds no items: loss_fn counted 0 for every micro-batch "
+                "(are all targets padding?); skip such windows"
             )
-        share = n_samples / total_samples
-        (loss * share).backward()
-        window_loss += loss.item() * share  # the unscaled loss, weighted for logging
-    optimizer.step()
-    return window_loss
+        if self.item_total != self.provisional_total:
+            correction = self.provisional_total / self.item_total
+            for p in _parameters_with_grad(optimizer):
+                p.grad.mul_(correction)
+
+    def mean_loss(self) -> float:
+        return self.loss_total / self.item_total if self.summed else self.loss_total
+
+
+def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cross-entropy summed over the non-padding tokens, and their count.
+
+    ``logits`` is (..., vocab), ``targets`` the matching token ids with padding
+    marked ``IGNORE_INDEX``. Pass it as ``loss_fn`` to accumulate over tokens.
+    """
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss_sum, int((targets != IGNORE_INDEX).sum())
+
+
+def accumulation_windows(batches: Iterable, accum_steps: int) -> Iterator[list]:
+    """Group ``batches`` into lists of ``accum_steps``; the last list may be shorter.
+
+    A short last window is kept, not dropped: with the weighting of
+    :func:`train_step_with_accumulation` it gets its full weight.
+    """
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step), got {accum_steps!r}")
+    return _windows(iter(batches), accum_steps)
+
+
+def _windows(batches: Iterator, accum_steps: int) -> Iterator[list]:
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == accum_steps:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def train(
+    model: Callable,
+    optimizer: torch.optim.Optimizer,
+    loader: Iterable,
+    loss_fn: Callable,
+    accum_steps: int,
+    *,
+    max_grad_norm: float | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """One pass over ``loader``, ``accum_steps`` batches per optimizer step; returns each step's loss.
+
+    The last window may be short and still counts fully. ``progress`` shows a
+    tqdm bar (a widget in Jupyter, text in a terminal).
+    """
+    windows = accumulation_windows(loader, accum_steps)
+    total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
+    losses = []
+    with tqdm(windows, total=total, desc="optimizer steps", disable=not progress) as bar:
+        for window in bar:
+            losses.append(
+                train_step_with_accumulation(
+                    model, optimizer, window, loss_fn, max_grad_norm=max_grad_norm, scheduler=scheduler, scaler=scaler
+                )
+            )
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
+
+
+def _require_fresh_scaler_window(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    # GradScaler tracks, per optimizer, whether unscale_/step already ran since
+    # the last update() (private state; torch has no public query). A window
+    # that starts in that state would unscale twice or reuse a stale scale.
+    stage = scaler._per_optimizer_states[id(optimizer)]["stage"] if scaler.is_enabled() else OptState.READY
+    if stage is not OptState.READY:
+        raise RuntimeError(
+            "the GradScaler already unscaled or stepped this optimizer inside the current window "
+            "(scaler.update() has not run since): let train_step_with_accumulation do unscale_, step "
+            "and update, once per window"
+        )
+
+
+def _parameters_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _scalar(value, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"{what}, got {shape}; use reduction='mean' (or .mean()) for a mean loss, "
+            "or return (loss.sum(), count) to weight by items"
+        )
+    return value
 
 
 def _sample_counts(microbatches: Sequence[Microbatch]) -> list[int]:

@@ -8,6 +8,7 @@ never seen.
 import re
 
 import pytest
+import torch
 
 from dmuon_edu.checks import RESULT_LINE, check, run_check
 
@@ -109,3 +110,74 @@ def test_unknown_exercise_and_non_callable_are_refused():
         run_check("no_such_exercise", learner_correct)
     with pytest.raises(TypeError, match="pass your function itself"):
         run_check("train_step_with_accumulation", 1.0)
+
+
+# --- module 3 ---------------------------------------------------------------------------------
+
+
+def windows_correct(batches, accum_steps):
+    batches = list(batches)
+    return [batches[i : i + accum_steps] for i in range(0, len(batches), accum_steps)]
+
+
+def windows_dropping_leftover(batches, accum_steps):
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == accum_steps:
+            yield window
+            window = []
+
+
+def windows_merging_leftover(batches, accum_steps):
+    windows = windows_correct(batches, accum_steps)
+    if len(windows) > 1 and len(windows[-1]) < accum_steps:
+        leftover = windows.pop()
+        windows[-1] += leftover
+    return windows
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (windows_correct, "PASS", "shorter last window"),
+        (windows_dropping_leftover, "FAIL", "last, shorter window is missing"),
+        (windows_merging_leftover, "FAIL", "expected windows"),
+    ],
+)
+def test_accumulation_windows_verdicts(candidate, status, hint):
+    result = run_check("accumulation_windows", candidate)
+    assert result.status == status and hint in result.message, str(result)
+
+
+def token_loss_correct(logits, targets):
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss, int((targets >= 0).sum())
+
+
+def token_loss_mean(logits, targets):
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return loss, int((targets >= 0).sum())
+
+
+def token_loss_counting_padding(logits, targets):
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss, targets.numel()
+
+
+def token_loss_not_a_pair(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (token_loss_correct, "PASS", "summed loss over real tokens"),
+        (token_loss_mean, "FAIL", "that is the mean over tokens"),
+        (token_loss_counting_padding, "FAIL", "count includes padding"),
+        (token_loss_not_a_pair, "FAIL", "return a pair"),
+    ],
+)
+def test_summed_token_loss_verdicts(candidate, status, hint):
+    result = run_check("summed_token_loss", candidate)
+    assert result.status == status and hint in result.message, str(result)

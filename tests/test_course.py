@@ -104,9 +104,15 @@ def _exercise_only(tmp_path, answer):
     return path
 
 
-def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted():
-    statuses = course.grade(LEARNER_01)
-    assert [(s.exercise, s.status) for s in statuses] == [("train_step_with_accumulation", "not attempted")]
+@pytest.mark.parametrize("solution", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution):
+    exercises = [
+        course.CHECK_CALL.search(cell.source).group(1)
+        for cell in nbformat.read(solution, as_version=4).cells
+        if cell.cell_type == "code" and course.CHECK_CALL.search(cell.source)
+    ]
+    statuses = course.grade(course.NOTEBOOKS / solution.name)
+    assert [(s.exercise, s.status) for s in statuses] == [(name, "not attempted") for name in exercises]
 
 
 def test_a_missing_one_over_n_is_named(tmp_path):

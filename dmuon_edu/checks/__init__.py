@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dmuon_edu.checks import m01_accumulation
+from dmuon_edu.checks import m01_accumulation, m03_real_loops
 
 __all__ = ["CheckResult", "check", "run_check", "EXERCISES", "RESULT_LINE"]
 
@@ -61,4 +61,5 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
 # exercise name -> checker(candidate) -> (status, message); one module of checkers per course module.
 EXERCISES: dict[str, Callable[[Callable], tuple[str, str]]] = {
     **m01_accumulation.EXERCISES,
+    **m03_real_loops.EXERCISES,
 }
