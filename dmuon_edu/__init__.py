@@ -1,18 +1,23 @@
 """dmuon_edu: gradient accumulation and distributed Muon, from one device to many.
 
-Modules, in the order the course builds them (imports flow one way):
+The core, in the order the course builds it (imports flow one way):
 
 - ``accumulation``: loss-scaled gradient accumulation on one device, and a training loop.
-- ``memory``: peak memory of a piece of work, on CPU or CUDA.
-- ``compare``: parameter-by-parameter comparison of two runs.
-- ``pitfalls``: the classic accumulation bugs, runnable.
-- ``checks``: the notebooks' self-checks.
-- ``course``: builds learner notebooks from solutions and grades them.
+- ``newton_schulz``: Newton-Schulz orthogonalisation, three coefficient sets.
+- ``muon``: Muon on one device, and the Muon/AdamW parameter split.
+- ``dmuon``: distributed Muon with owner ranks, no_sync and Z2/Z3 (``from dmuon_edu import dmuon``).
+
+Around it: ``data`` (generated token text), ``memory`` (peak memory), ``compare``
+(parameter differences), ``launch`` (torchrun from a notebook), ``distributed``
+(process group, rank-0 print, collective counts), ``data_parallel`` (the module 5
+problem and baseline), ``pitfalls`` (the classic bugs, runnable), ``widgets``,
+``checks`` (the self-checks) and ``course`` (learner notebooks and grading).
 """
 
 from dmuon_edu.accumulation import accumulation_windows, summed_token_loss, train, train_step_with_accumulation
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.memory import peak_memory_bytes
+from dmuon_edu.muon import Muon, muon_param_groups
 
 __all__ = [
     "train_step_with_accumulation",
@@ -21,5 +26,7 @@ __all__ = [
     "train",
     "max_parameter_difference",
     "peak_memory_bytes",
+    "Muon",
+    "muon_param_groups",
 ]
 __version__ = "0.1.0"

@@ -181,3 +181,87 @@ def token_loss_not_a_pair(logits, targets):
 def test_summed_token_loss_verdicts(candidate, status, hint):
     result = run_check("summed_token_loss", candidate)
     assert result.status == status and hint in result.message, str(result)
+
+
+# --- module 4 ---------------------------------------------------------------------------------
+
+
+def ns_step_correct(X, a, b, c):
+    gram = X @ X.mT
+    return a * X + b * gram @ X + c * gram @ gram @ X
+
+
+def ns_step_without_linear_term(X, a, b, c):
+    gram = X @ X.mT
+    return b * gram @ X + c * gram @ gram @ X
+
+
+def ns_step_wrong_gram(X, a, b, c):
+    gram = X.mT @ X  # n x n: the shapes no longer fit a wide X
+    return a * X + (b * gram + c * gram @ gram) @ X.mT
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (ns_step_correct, "PASS", "one quintic Newton-Schulz step"),
+        (ns_step_without_linear_term, "FAIL", "the a * X term is missing"),
+        (ns_step_wrong_gram, "FAIL", "shape"),
+    ],
+)
+def test_ns_step_verdicts(candidate, status, hint):
+    result = run_check("ns_step", candidate)
+    assert result.status == status and hint in result.message, str(result)
+
+
+def _orthogonalise(U):
+    from dmuon_edu.newton_schulz import newton_schulz
+
+    return newton_schulz(U, dtype=torch.float32)
+
+
+def muon_step_correct(W, G, B, lr, momentum=0.95, nesterov=True):
+    B = B.mul(momentum).add(G)
+    update = G.add(B, alpha=momentum) if nesterov else B
+    m, n = W.shape
+    return W - lr * (max(m, n) / n) ** 0.5 * _orthogonalise(update), B
+
+
+def muon_step_ema(W, G, B, lr, momentum=0.95, nesterov=True):
+    """torch.optim.Muon's convention: an EMA buffer; the same update after normalisation."""
+    B = B.lerp(G, 1 - momentum)
+    update = G.lerp(B, momentum) if nesterov else B
+    m, n = W.shape
+    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(update), B
+
+
+def muon_step_no_nesterov(W, G, B, lr, momentum=0.95, nesterov=True):
+    B = momentum * B + G
+    m, n = W.shape
+    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(B), B
+
+
+def muon_step_no_shape_factor(W, G, B, lr, momentum=0.95, nesterov=True):
+    B = momentum * B + G
+    return W - lr * _orthogonalise(G + momentum * B if nesterov else B), B
+
+
+def muon_step_not_orthogonalised(W, G, B, lr, momentum=0.95, nesterov=True):
+    B = momentum * B + G
+    m, n = W.shape
+    return W - lr * max(1, m / n) ** 0.5 * (G + momentum * B if nesterov else B), B
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (muon_step_correct, "PASS", "momentum, Nesterov"),
+        (muon_step_ema, "PASS", "momentum, Nesterov"),
+        (muon_step_no_nesterov, "FAIL", "without Nesterov"),
+        (muon_step_no_shape_factor, "FAIL", "shape factor is missing"),
+        (muon_step_not_orthogonalised, "FAIL", "O = newton_schulz(U)"),
+    ],
+)
+def test_muon_step_verdicts(candidate, status, hint):
+    result = run_check("muon_step", candidate)
+    assert result.status == status and hint in result.message, str(result)

@@ -17,13 +17,16 @@ module's checkers live in a submodule (``m01_accumulation``, ...).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from dmuon_edu.checks import m01_accumulation, m03_real_loops
+from dmuon_edu.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon
+from dmuon_edu.launch import RankFailedError, torchrun
 
-__all__ = ["CheckResult", "check", "run_check", "EXERCISES", "RESULT_LINE"]
+__all__ = ["CheckResult", "check", "run_check", "check_script", "run_script_check", "EXERCISES", "RESULT_LINE"]
 
 RESULT_LINE = re.compile(r"^(PASS|FAIL|TODO) (\w+): (.*)$")
 
@@ -58,8 +61,34 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
     return CheckResult(exercise, status, message)
 
 
+def check_script(path: str | os.PathLike, nproc: int = 2, args: tuple | list = ()) -> None:
+    """Run a torchrun exercise script (its ranks' output shown as it arrives) and print its verdict."""
+    result = run_script_check(path, nproc, args, echo=True)
+    if result.status != "PASS":  # a passing script printed its own verdict already
+        print(result)
+
+
+def run_script_check(path: str | os.PathLike, nproc: int = 2, args: tuple | list = (), echo: bool = False) -> CheckResult:
+    """The verdict of a torchrun exercise script: the line its rank 0 prints, or why it printed none."""
+    path = Path(path)
+    try:
+        output = torchrun(path, nproc=nproc, args=args, echo=echo).stdout(0)
+    except RankFailedError as error:
+        if error.exception.startswith("NotImplementedError"):
+            return CheckResult(path.stem, "TODO", f"not attempted yet: fill in the exercise in {path.name}")
+        return CheckResult(path.stem, "FAIL", f"rank {error.rank} raised {error.exception}")
+    for line in reversed(output.splitlines()):
+        match = RESULT_LINE.match(line)
+        if match:
+            status, exercise, message = match.groups()
+            return CheckResult(exercise, status, message)
+    return CheckResult(path.stem, "FAIL", "the script printed no verdict")
+
+
 # exercise name -> checker(candidate) -> (status, message); one module of checkers per course module.
 EXERCISES: dict[str, Callable[[Callable], tuple[str, str]]] = {
     **m01_accumulation.EXERCISES,
+    **m02_pitfalls.EXERCISES,
     **m03_real_loops.EXERCISES,
+    **m04_muon.EXERCISES,
 }

@@ -1,0 +1,207 @@
+"""Checks for module 2: zero_grad placement and friends.
+
+A loop's bug is recognised by what it does, never by its source text. The
+checker runs the loop on a small seeded problem with an optimizer that
+records the gradient in ``.grad`` at every ``step()`` call, and compares that
+record, and the parameters at the end, with the record of the correct loop
+and of each loop in :mod:`dmuon_edu.pitfalls`. Two loops whose records agree
+do the same thing to the model, whatever their code looks like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dmuon_edu import pitfalls
+from dmuon_edu.accumulation import accumulation_windows, train_step_with_accumulation
+
+# Float32 gradients and parameters of size ~0.01-1: correct loops that scale
+# or add in a different order differ by a few ulps (~1e-7). Every bug moves
+# them by more than 1e-3. Newton-Schulz amplifies rounding differences (five
+# polynomial steps with slopes up to ~3), hence the looser parameter
+# tolerance for Muon; its bugs still move parameters by more than 1e-3.
+GRADIENT_ATOL = 1e-6
+PARAMETER_ATOL = {"sgd": 1e-6, "muon": 1e-5}
+
+ACCUM_STEPS = 4
+N_WINDOWS = 3
+EPOCH_BATCHES = 10  # with ACCUM_STEPS = 4: windows of 4, 4 and a leftover of 2
+
+_ZERO_GRAD_INSIDE = (
+    "only the last micro-batch's gradient reached optimizer.step(): optimizer.zero_grad() runs inside the "
+    "micro-batch loop and erases the others; call it once per window, before the loop"
+)
+_BETWEEN_BACKWARD_AND_STEP = (
+    "optimizer.step() saw no gradient, so the parameters never moved: optimizer.zero_grad() runs after the "
+    "backward passes and before the step; move it to the start of the window (or after the step)"
+)
+_UNSCALED = (
+    "the gradient that reached optimizer.step() is N times the full-batch gradient: divide each micro-batch loss "
+    "by N *before* .backward(); dividing afterwards changes nothing, the gradient is already in .grad"
+)
+
+# (pitfall, hint) in the order tried; the first whose record matches names the bug.
+_WINDOW_MISTAKES = [
+    (pitfalls.unscaled_loss, _UNSCALED + ". For SGD that is an N-times learning rate"),
+    (pitfalls.zero_grad_inside_loop, _ZERO_GRAD_INSIDE),
+    (
+        pitfalls.never_zero_grad,
+        "from the second window on, optimizer.step() also saw the earlier windows' gradients: .grad is never "
+        "cleared; call optimizer.zero_grad() once at the start of every window",
+    ),
+    (pitfalls.zero_grad_between_backward_and_step, _BETWEEN_BACKWARD_AND_STEP),
+    (
+        pitfalls.step_every_microbatch,
+        "optimizer.step() ran after every micro-batch, N small steps on partial gradients; call it once per "
+        "window, after the micro-batch loop",
+    ),
+]
+
+_MUON_MISTAKES = [
+    (
+        pitfalls.unscaled_loss,
+        _UNSCALED + ". Muon hides it (Newton-Schulz normalises the update), but the AdamW half of a real model and "
+        "any gradient clipping see the N-times gradient",
+    ),
+    (pitfalls.zero_grad_inside_loop, _ZERO_GRAD_INSIDE),
+    (
+        pitfalls.never_zero_grad,
+        "from the second window on, the gradient started from the previous step's Nesterov blend: this Muon "
+        "writes gradient + momentum into .grad, and .grad is never cleared, so momentum is counted twice; call "
+        "optimizer.zero_grad() once at the start of every window",
+    ),
+    (pitfalls.zero_grad_between_backward_and_step, _BETWEEN_BACKWARD_AND_STEP),
+    (
+        pitfalls.step_every_microbatch,
+        "optimizer.step() ran after every micro-batch, and each step wrote its Nesterov blend into .grad, so the "
+        "next micro-batch added onto the blend; step once per window, after the micro-batch loop",
+    ),
+]
+
+_EPOCH_MISTAKES = [
+    (
+        pitfalls.drop_leftover_window,
+        "the last, short window was never applied: the loop steps only when (i + 1) % accum_steps == 0; also step "
+        "after the last batch, and its gradient would otherwise leak into whatever runs next",
+    ),
+    (
+        pitfalls.underweight_leftover_window,
+        "the last, short window of r < accum_steps batches was applied with weight r / accum_steps: divide its "
+        "losses by its own number of batches, not by accum_steps",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class _Record:
+    """What a loop did: the gradient each optimizer.step() call saw, and the parameters at the end."""
+
+    step_gradients: list[torch.Tensor]
+    parameters: torch.Tensor
+
+    def matches(self, other: _Record, parameter_atol: float) -> bool:
+        return (
+            len(self.step_gradients) == len(other.step_gradients)
+            and all(torch.allclose(a, b, atol=GRADIENT_ATOL, rtol=0) for a, b in zip(self.step_gradients, other.step_gradients))
+            and torch.allclose(self.parameters, other.parameters, atol=parameter_atol, rtol=0)
+        )
+
+
+def _check_accumulate_window(candidate: Callable) -> tuple[str, str]:
+    return _check_window_loop(candidate, "sgd", _WINDOW_MISTAKES)
+
+
+def _check_muon_accumulate_window(candidate: Callable) -> tuple[str, str]:
+    return _check_window_loop(candidate, "muon", _MUON_MISTAKES)
+
+
+def _check_window_loop(candidate: Callable, optimizer: str, mistakes) -> tuple[str, str]:
+    windows = _windows()
+
+    def record(loop):
+        return _record(lambda model, opt: [loop(model, opt, window, F.mse_loss) for window in windows], optimizer)
+
+    verdict = _verdict(record(candidate), record(train_step_with_accumulation), record, mistakes, optimizer, N_WINDOWS)
+    return verdict or ("PASS", "every window's step saw exactly the full-batch gradient, and the parameters match full-batch steps")
+
+
+def _check_train_epoch(candidate: Callable) -> tuple[str, str]:
+    batches = [window[0] for window in _windows(n_windows=EPOCH_BATCHES, sizes=[4])]
+
+    def record(loop):
+        return _record(lambda model, opt: loop(model, opt, batches, F.mse_loss, ACCUM_STEPS), "sgd")
+
+    def correct_epoch(model, optimizer, batches, loss_fn, accum_steps):
+        for window in accumulation_windows(batches, accum_steps):
+            train_step_with_accumulation(model, optimizer, window, loss_fn)
+
+    n_steps = len(list(accumulation_windows(batches, ACCUM_STEPS)))
+    verdict = _verdict(record(candidate), record(correct_epoch), record, _EPOCH_MISTAKES, "sgd", n_steps)
+    return verdict or ("PASS", "every window, the short last one included, was applied as one full-batch step")
+
+
+def _verdict(learner: _Record, correct: _Record, record, mistakes, optimizer: str, n_steps: int) -> tuple[str, str] | None:
+    """None when the learner's record matches the correct one; else FAIL with the hint of the bug it matches."""
+    atol = PARAMETER_ATOL[optimizer]
+    if learner.matches(correct, atol):
+        return None
+    for mistake, hint in mistakes:
+        if learner.matches(record(mistake), atol):
+            return "FAIL", hint
+    calls = len(learner.step_gradients)
+    if calls == 0:
+        return "FAIL", "optimizer.step() was never called: call it once per window, after the last backward"
+    if calls != n_steps:
+        return "FAIL", f"optimizer.step() ran {calls} times where {n_steps} optimizer steps were due: one per window"
+    worst = max((a - b).abs().max().item() for a, b in zip(learner.step_gradients, correct.step_gradients))
+    return "FAIL", (
+        f"the gradients your steps saw differ from the full-batch gradients by up to {worst:.2g}; zero_grad once "
+        "per window, divide each loss by N before its backward, step once after the loop"
+    )
+
+
+def _record(run: Callable, optimizer: str) -> _Record:
+    """Run ``run(model, optimizer)`` from a fixed start, recording the gradient at every step() call."""
+    model = _model(bias=optimizer != "muon")  # Muon takes matrices only
+    opt = (
+        pitfalls.GradOverwritingMuon(model.parameters(), lr=0.02, ns_dtype=torch.float32)
+        if optimizer == "muon"
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    parameters = list(model.parameters())
+    step_gradients = []
+
+    def remember_gradient(*_):
+        # A parameter without .grad (zero_grad's set_to_none) saw a zero gradient.
+        step_gradients.append(torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().clone() for p in parameters
+        ]))
+
+    opt.register_step_pre_hook(remember_gradient)
+    run(model, opt)
+    return _Record(step_gradients, torch.cat([p.detach().flatten() for p in parameters]))
+
+
+def _windows(n_windows: int = N_WINDOWS, sizes=(3,) * ACCUM_STEPS) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(2024)
+    return [
+        [(torch.randn(size, 4, generator=generator), torch.randn(size, 2, generator=generator)) for size in sizes]
+        for _ in range(n_windows)
+    ]
+
+
+def _model(bias: bool) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=bias), torch.nn.Tanh(), torch.nn.Linear(8, 2, bias=bias))
+
+
+EXERCISES = {
+    "accumulate_window": _check_accumulate_window,
+    "train_epoch": _check_train_epoch,
+    "muon_accumulate_window": _check_muon_accumulate_window,
+}

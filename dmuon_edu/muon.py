@@ -1,0 +1,227 @@
+r"""Muon: momentum, then Newton-Schulz orthogonalisation, for the hidden matrices of a network.
+
+The update, for one weight matrix W of shape (m, n) with gradient G:
+
+.. math::
+
+    B &\leftarrow \mu B + G                                   &&\text{momentum buffer, starts at 0} \\
+    U &= G + \mu B \ \text{(Nesterov)} \quad\text{or}\quad U = B \\
+    O &= \mathrm{NS}_5(U)                                     &&\approx \text{the } U_{svd} V_{svd}^T \text{ of } U \\
+    W &\leftarrow (1 - \eta\lambda)\, W                       &&\text{decoupled weight decay} \\
+    W &\leftarrow W - \eta\, s(m, n)\, O
+
+with :math:`s = \sqrt{\max(1, m/n)}` ("original", Keller Jordan) or
+:math:`s = 0.2\sqrt{\max(m, n)}` ("match_rms_adamw", Moonlight: an update with the RMS of
+AdamW's, so that AdamW's learning rate and weight decay carry over).
+
+Everything that is not a hidden matrix (biases, norms, embeddings, the output head)
+belongs to AdamW: ``muon_param_groups(model)`` splits a model that way.
+"""
+
+import math
+import warnings
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from .newton_schulz import newton_schulz
+
+ADJUST_LR_FNS = {
+    "original": lambda m, n: math.sqrt(max(1.0, m / n)),
+    "match_rms_adamw": lambda m, n: 0.2 * math.sqrt(max(m, n)),
+}
+
+
+class Muon(torch.optim.Optimizer):
+    r"""Muon for 2-D parameters (see the module docstring for the update).
+
+    Args:
+        params: 2-D parameters, or param groups (dicts) of them.
+        lr: learning rate :math:`\eta` (>= 0). Read from ``param_groups`` at every step,
+            so torch.optim.lr_scheduler works as with any optimizer.
+        momentum: :math:`\mu` in [0, 1).
+        nesterov: use :math:`U = G + \mu B` rather than :math:`U = B`.
+        weight_decay: :math:`\lambda` (>= 0), decoupled: W shrinks by a factor 1 - lr * wd.
+        adjust_lr_fn: "original" or "match_rms_adamw", the shape factor s(m, n).
+        ns_steps: Newton-Schulz steps (>= 1), Keller Jordan's coefficients.
+        ns_dtype: precision of the Newton-Schulz products. bf16 is what every peer
+            uses; torch.float32 makes the step match a float64 evaluation of the
+            update to float32 accuracy (for tests and teaching).
+
+    Behaviour worth knowing:
+
+    - ``p.grad`` is never modified. (Keller Jordan's Muon writes the Nesterov blend
+      into ``p.grad``; a misplaced ``zero_grad`` then starts the next accumulation
+      window from the blend instead of from zero.)
+    - Same as torch.optim.Muon up to bf16 rounding, with the same hyperparameters.
+      torch keeps an exponential moving average, ``buf.lerp_(g, 1 - mu)``, which is
+      (1 - mu) times the buffer B above, so its U is (1 - mu) times this U. NS
+      divides U by its norm first, so the constant factor drops out (up to eps).
+    - Parameters of the same shape (and device) are orthogonalised together, in one
+      newton_schulz call on the batch of their updates.
+    - A gradient holding NaN or Inf (or so large that its sum overflows) never
+      reaches the weights: that parameter's step
+      is skipped (weights and momentum buffer unchanged) with a RuntimeWarning that
+      names its shape; every other parameter steps normally. Skipping rather than
+      raising lets a mixed-precision run ride over a rare overflow, as
+      torch.amp.GradScaler does; the warning makes sure it is seen.
+    - Runs on any device torch runs on; with CUDA tensors the products run on the GPU.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        adjust_lr_fn: str = "original",
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+        )
+        _check_hyperparameters(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Checked before the group is added, so that a rejected group leaves no trace.
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params must be a list, not a set: state_dict relies on their order")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                continue  # torch.optim.Optimizer raises the TypeError
+            if not p.is_floating_point():
+                raise TypeError(f"Muon takes real floating-point parameters, got dtype {p.dtype}")
+            if p.ndim != 2:
+                raise ValueError(
+                    f"Muon takes 2-D matrices only, got a {p.ndim}-D parameter of shape "
+                    f"{tuple(p.shape)}. A {p.ndim}-D parameter belongs to AdamW; use "
+                    "muon_param_groups(model) to split a model's parameters."
+                )
+        _check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group({**param_group, "params": params})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group in self.param_groups:
+            same_shape = defaultdict(list)
+            for p in _with_finite_grads([p for p in group["params"] if p.grad is not None]):
+                same_shape[(p.shape, p.device)].append(p)
+            for params in same_shape.values():
+                self._step_same_shape(params, group)
+        return loss
+
+    def _step_same_shape(self, params: list[torch.Tensor], group: dict) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        updates = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            B = state["momentum_buffer"]
+            torch.add(p.grad, B, alpha=mu, out=B)  # B <- mu B + G, in one pass
+            updates.append(p.grad.add(B, alpha=mu) if group["nesterov"] else B)
+
+        O = newton_schulz(updates, steps=group["ns_steps"], dtype=group["ns_dtype"])
+
+        m, n = params[0].shape
+        step_size = lr * ADJUST_LR_FNS[group["adjust_lr_fn"]](m, n)
+        for p, o in zip(params, O):
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(o, alpha=-step_size)
+
+
+def _with_finite_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose gradient is finite; a warning for each of the others."""
+    if not params:
+        return []
+    # NaN and Inf propagate through a sum, which costs a thirtieth of isfinite(g).all()
+    # on CPU. A finite gradient whose sum overflows is caught too: its norm would
+    # overflow in Newton-Schulz and silently zero the update. One host sync in all.
+    finite = torch.stack([p.grad.sum() for p in params]).isfinite().tolist()
+    for p, ok in zip(params, finite):
+        if not ok:
+            warnings.warn(
+                f"Muon skipped the step of a parameter of shape {tuple(p.shape)}: its gradient "
+                "holds NaN or Inf (or overflows when summed). Its weights and momentum are "
+                "unchanged. Look for the cause "
+                "(a too-large learning rate, an overflow in fp16, a bad batch).",
+                RuntimeWarning,
+            )
+    return [p for p, ok in zip(params, finite) if ok]
+
+
+def _check_hyperparameters(h: dict) -> None:
+    def number(name):
+        v = h[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        return v
+
+    if number("lr") < 0:
+        raise ValueError(f"lr must be >= 0, got {h['lr']}; pass a positive learning rate, e.g. 0.02")
+    if not 0 <= number("momentum") < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {h['momentum']}; 0.95 is the usual value")
+    if number("weight_decay") < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}; use 0 for none")
+    if not isinstance(h["nesterov"], bool):
+        raise TypeError(f"nesterov must be True or False, got {type(h['nesterov']).__name__}")
+    if not isinstance(h["adjust_lr_fn"], str):
+        raise TypeError(f"adjust_lr_fn must be a string, got {type(h['adjust_lr_fn']).__name__}")
+    if h["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; use one of {sorted(ADJUST_LR_FNS)}"
+        )
+    if isinstance(h["ns_steps"], bool) or not isinstance(h["ns_steps"], int):
+        raise TypeError(f"ns_steps must be an int, got {type(h['ns_steps']).__name__}")
+    if h["ns_steps"] < 1:
+        raise ValueError(f"ns_steps must be >= 1, got {h['ns_steps']}; 5 is the usual value")
+    if not isinstance(h["ns_dtype"], torch.dtype) or not h["ns_dtype"].is_floating_point:
+        raise TypeError(f"ns_dtype must be a floating torch.dtype such as torch.bfloat16, got {h['ns_dtype']!r}")
+
+
+def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split a model's parameters into (for Muon, for AdamW).
+
+    Muon gets the weights of the hidden nn.Linear layers. AdamW gets everything else:
+    biases, norm parameters, nn.Embedding tables, the output head, and every weight
+    tied to an embedding. The output head is the last nn.Linear the model registers
+    (``model.modules()`` order), as ``lm_head`` in nanoGPT or the last layer of an MLP.
+    The head and the embeddings map between tokens/classes and features rather than
+    features to features, and every peer keeps them on AdamW.
+
+    2-D weights that are not an nn.Linear's (nn.MultiheadAttention's in_proj_weight, a
+    hand-made nn.Parameter) go to AdamW too: hand them to Muon yourself if they are
+    hidden matrices.
+
+    Example::
+
+        hidden, rest = muon_param_groups(model)
+        muon = Muon(hidden, lr=0.02)
+        adamw = torch.optim.AdamW(rest, lr=3e-4)
+        # each step: loss.backward(); muon.step(); adamw.step(); both .zero_grad()
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    embedding_weights = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    hidden = {id(m.weight) for m in linears[:-1]} - embedding_weights
+    muon, adamw = [], []
+    for p in model.parameters():
+        (muon if id(p) in hidden else adamw).append(p)
+    return muon, adamw

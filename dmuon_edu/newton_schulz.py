@@ -1,0 +1,262 @@
+r"""Newton-Schulz orthogonalisation: the "NS5" inside Muon.
+
+Given a matrix G of shape (m, n) with m <= n (a tall matrix is transposed first, and
+the result transposed back), Newton-Schulz approximates the orthogonal factor
+U V^T of G's SVD  G = U S V^T  with a few odd matrix polynomials:
+
+.. math::
+
+    X_0 = G / (\lVert G \rVert_F + \varepsilon), \qquad
+    X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k, \qquad A_k = X_k X_k^T .
+
+Each step maps every singular value x of X_k to  p_k(x) = a_k x + b_k x^3 + c_k x^5
+and leaves the singular vectors alone, so X_K = U p(S) V^T with p the composition of
+the p_k. Dividing by the Frobenius norm puts every singular value in [0, 1], where the
+coefficients are tuned to push them towards 1 quickly. They do not reach 1 exactly:
+each coefficient set promises a band around 1 (measured in tests/test_newton_schulz.py).
+
+Coefficient sets (one (a, b, c) tuple per step; the last tuple repeats when there
+are more steps than tuples):
+
+- ``"jordan"``: Keller Jordan's (3.4445, -4.7750, 2.0315) for every step, the default
+  of Keller Jordan's Muon and torch.optim.Muon.
+- ``"you"``: Jiacheng You's five per-step tuples (x.com/YouJiacheng/status/1905861218138804534),
+  as used by microsoft/dion. (His earlier six-step set of Feb 2025 is a different one.)
+- ``"polar_express"``: Amsel, Persson, Musco and Gower, "The Polar Express" (2025,
+  arXiv:2505.16932), the five tuples of modded-nanogpt and microsoft/dion, which
+  include a 2% safety factor. Those implementations divide G by 1.02 ||G||_F; dividing
+  x by 1.02 inside the first polynomial is the same map, so that factor is folded into
+  the first tuple here and every set shares one normalisation.
+
+Two ways to compute the same iterates, chosen by shape:
+
+- Direct, as written above: 4 m^2 n + 2 m^3 flops per step.
+- Gram space, for large wide matrices (see GRAM_SPACE_MIN_ASPECT). Every iterate is a
+  polynomial in R = X X^T times X, so two steps can be taken on m x m matrices only:
+
+  .. math::
+
+      R_0 = X_0 X_0^T,\quad B_1 = b_1 R_0 + c_1 R_0^2,\quad
+      R_1 = (a_1 I + B_1)^2 R_0,\quad B_2 = b_2 R_1 + c_2 R_1^2,
+
+      X_2 = (a_2 I + B_2)(a_1 I + B_1) X_0 .
+
+  That is 4 m^2 n + 10 m^3 flops for two steps instead of 8 m^2 n + 4 m^3.
+  Fusing more than two steps saves more but is not accurate in bf16: the accumulated
+  polynomial multiplies rounding errors by up to ~1/sigma_min of X_0. Measured for
+  512 x 2048 in bf16 (relative error against a float64 run, divided by the error of
+  torch.optim.Muon's bf16 path on the same input; 2-core x86_64 CPU, torch 2.13):
+
+  ====================  ============  ==========  ===============  =============
+  steps per segment     flops vs      error,      error, singular  error, rank 8
+                        direct        Gaussian    values 1/k       + noise
+  ====================  ============  ==========  ===============  =============
+  1,1,1,1,1 (direct)    1.00          1.0x        0.8x             0.8x
+  5 (all Gram space)    0.56          1.15x       233x             15x
+  4,1                   0.67          1.1x        3.6x             1.0x
+  3,2                   0.67          1.55x       0.75x            0.62x
+  2,2,1 (chosen)        0.78          1.12x       0.69x            0.62x
+  ====================  ============  ==========  ===============  =============
+
+  So: pairs of steps in Gram space, and the last step always direct (it rounds like
+  torch's last step). Measured step times are in benchmarks/README.md.
+
+The input is normalised in its own precision (float32 for float32 gradients) and
+rounded to ``dtype`` once; torch rounds first and divides in bf16, which costs
+accuracy on ill-conditioned inputs (the 0.8x of the direct row comes from this alone).
+Matrix products run in ``dtype``.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+Coefficients = tuple[float, float, float]
+
+JORDAN: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
+
+YOU: tuple[Coefficients, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+POLAR_EXPRESS_AS_PUBLISHED: tuple[Coefficients, ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_INPUT_MARGIN = 1.02  # the published recipe divides G by 1.02 ||G||_F
+
+
+def _fold_input_margin(coefficients: Coefficients, margin: float) -> Coefficients:
+    """p(x / margin) as a polynomial in x."""
+    a, b, c = coefficients
+    return (a / margin, b / margin**3, c / margin**5)
+
+
+POLAR_EXPRESS: tuple[Coefficients, ...] = (
+    _fold_input_margin(POLAR_EXPRESS_AS_PUBLISHED[0], POLAR_EXPRESS_INPUT_MARGIN),
+    *POLAR_EXPRESS_AS_PUBLISHED[1:],
+)
+
+COEFFICIENTS: dict[str, tuple[Coefficients, ...]] = {
+    "jordan": JORDAN,
+    "you": YOU,
+    "polar_express": POLAR_EXPRESS,
+}
+
+# Take steps in Gram space when n >= GRAM_SPACE_MIN_ASPECT * m and m >= GRAM_SPACE_MIN_ROWS
+# (after transposing to m <= n). A Gram pair needs fewer flops than two direct steps once
+# n > 1.5 m; at n = 2 m five steps need 0.92x the flops of direct ones, at n = 4 m 0.78x.
+# Small matrices stay direct: measured in bf16 on CPU, the Gram path's error is 1.45-1.6x
+# torch's for m <= 128 but 1.07-1.2x for m >= 256 (Gaussian inputs, n = 2m to 4m), and
+# small matrices cost little either way.
+GRAM_SPACE_MIN_ASPECT = 2
+GRAM_SPACE_MIN_ROWS = 256
+
+
+def newton_schulz(
+    G: torch.Tensor | Sequence[torch.Tensor],
+    steps: int = 5,
+    coefficients: str | Coefficients | Sequence[Coefficients] = "jordan",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Approximately orthogonalise G: one matrix (m, n), or a batch of same-shape matrices.
+
+    Args:
+        G: a matrix (m, n), or a batch: a (batch, m, n) tensor or a list of (m, n)
+            matrices. Not modified.
+        steps: how many Newton-Schulz steps (>= 1).
+        coefficients: a name in COEFFICIENTS, one (a, b, c) tuple used for every step,
+            or a sequence of tuples, one per step. When ``steps`` exceeds the number of
+            tuples the last tuple is repeated; when it is smaller only the first
+            ``steps`` tuples are used.
+        eps: added to the Frobenius norm so that a zero matrix maps to zero.
+        dtype: precision of the matrix products (bf16 as in every peer; float32
+            or float64 for reference computations).
+
+    Returns:
+        In ``dtype``: a tensor of G's shape, or a list of matrices for a list.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    per_step = _per_step_coefficients(coefficients, steps)
+    if isinstance(G, torch.Tensor) and G.ndim != 3:
+        _check_matrices([G])
+        return _iterate(_normalise(G, eps, dtype), per_step)
+
+    matrices = list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
+    _check_matrices(matrices)
+    if matrices[0].device.type == "cpu":
+        # On CPU one torch.addmm per matrix beats torch.baddbmm over the batch by 10-25%
+        # (measured, bf16), and per-matrix temporaries stay small enough for the
+        # allocator to reuse (a fresh 32 MB tensor costs ~6 ms in page faults here).
+        O = [_iterate(_normalise(g, eps, dtype), per_step) for g in matrices]
+        return torch.stack(O) if isinstance(G, torch.Tensor) else O
+    batch = G if isinstance(G, torch.Tensor) else torch.stack(matrices)
+    O = _iterate(_normalise(batch, eps, dtype), per_step)
+    return O if isinstance(G, torch.Tensor) else list(O)
+
+
+def _check_matrices(matrices: list) -> None:
+    if not matrices:
+        raise ValueError("newton_schulz got an empty batch; pass at least one matrix")
+    for g in matrices:
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(
+                "newton_schulz expects floating-point torch.Tensors, got "
+                + (f"a tensor of dtype {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__)
+            )
+        if g.ndim != 2:
+            raise ValueError(
+                f"newton_schulz expects a matrix (m, n) or a batch (batch, m, n) of them, got a "
+                f"{g.ndim}-D tensor of shape {tuple(g.shape)}; reshape to 2-D first"
+            )
+    shapes = {(tuple(g.shape), g.device) for g in matrices}
+    if len(shapes) > 1:
+        raise ValueError(f"a batch must hold matrices of one shape on one device, got {sorted(map(str, shapes))}")
+
+
+def _iterate(X: torch.Tensor, per_step: list[Coefficients]) -> torch.Tensor:
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT  # a view: the products read it transposed, with no copy
+    m, n = X.shape[-2:]
+    use_gram_space = m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m
+    k = 0
+    while k < len(per_step):
+        if use_gram_space and len(per_step) - k >= 3:  # pairs, but keep the last step direct
+            X = _two_steps_in_gram_space(X, per_step[k], per_step[k + 1])
+            k += 2
+        else:
+            X = _one_step(X, per_step[k])
+            k += 1
+    return X.mT if tall else X
+
+
+def _per_step_coefficients(coefficients, steps: int) -> list[Coefficients]:
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENTS:
+            raise ValueError(
+                f"unknown coefficient set {coefficients!r}; use one of {sorted(COEFFICIENTS)} "
+                "or pass (a, b, c) tuples"
+            )
+        tuples = COEFFICIENTS[coefficients]
+    elif _is_triple(coefficients):
+        tuples = (tuple(coefficients),)
+    elif isinstance(coefficients, Sequence) and len(coefficients) > 0 and all(map(_is_triple, coefficients)):
+        tuples = tuple(tuple(t) for t in coefficients)
+    else:
+        raise TypeError(
+            "coefficients must be a name (e.g. 'jordan'), one (a, b, c) tuple of numbers, "
+            f"or a non-empty sequence of such tuples; got {coefficients!r}"
+        )
+    return [tuples[min(k, len(tuples) - 1)] for k in range(steps)]
+
+
+def _is_triple(x) -> bool:
+    return (
+        isinstance(x, Sequence)
+        and not isinstance(x, str)
+        and len(x) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in x)
+    )
+
+
+def _normalise(X: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """X / (||X||_F + eps) per matrix, computed in X's precision, rounded to dtype once."""
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    return torch.div(X, norm + eps, out=torch.empty_like(X, dtype=dtype))
+
+
+def _addmm(input, mat1, mat2, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:
+    """beta * input + alpha * mat1 @ mat2, for matrices or batches of them."""
+    addmm = torch.addmm if mat1.ndim == 2 else torch.baddbmm
+    return addmm(input, mat1, mat2, beta=beta, alpha=alpha)
+
+
+def _one_step(X: torch.Tensor, coefficients: Coefficients) -> torch.Tensor:
+    a, b, c = coefficients
+    A = X @ X.mT
+    B = _addmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+    return _addmm(X, B, X, beta=a)  # a X + B X
+
+
+def _two_steps_in_gram_space(X: torch.Tensor, first: Coefficients, second: Coefficients) -> torch.Tensor:
+    (a1, b1, c1), (a2, b2, c2) = first, second
+    R = X @ X.mT
+    B1 = _addmm(R, R, R, beta=b1, alpha=c1)  # b1 R + c1 R^2
+    P1R = _addmm(R, B1, R, beta=a1)  # (a1 I + B1) R
+    R = _addmm(P1R, B1, P1R, beta=a1)  # (a1 I + B1)^2 R: the Gram matrix of X_1
+    B2 = _addmm(R, R, R, beta=b2, alpha=c2)
+    P1 = B1 + a1 * torch.eye(R.size(-1), dtype=R.dtype, device=R.device)
+    Q = _addmm(P1, B2, P1, beta=a2)  # (a2 I + B2)(a1 I + B1)
+    return Q @ X

@@ -1,0 +1,205 @@
+"""Newton-Schulz orthogonalisation against an independent float64 implementation."""
+
+import pytest
+import torch
+
+from dmuon_edu.newton_schulz import (
+    COEFFICIENTS,
+    JORDAN,
+    POLAR_EXPRESS_AS_PUBLISHED,
+    YOU,
+    _iterate,
+    _normalise,
+    newton_schulz,
+)
+
+# Relative Frobenius error allowed for float32 products against float64. fp32 rounds at
+# 6e-8; through fifteen chained products with inner dimensions up to 768, amplified by
+# the NS polynomials' slopes (up to ~8 near zero), the error measured here stays below
+# 1e-5 (at most 6e-6). 1e-4 leaves room and is still 100x below what bf16 gives (~1e-2),
+# so a product silently run in bf16 fails these tests.
+FP32_RTOL = 1e-4
+
+
+def reference(G, per_step, input_margin=1.0):
+    """The iteration as specified, in float64, one explicit (a, b, c) per step."""
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (input_margin * torch.linalg.norm(X) + 1e-7)
+    for a, b, c in per_step:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def with_singular_values(m, n, low, high, seed=0):
+    """A random m x n matrix whose singular values are spread log-uniformly over [low, high]."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    left = torch.linalg.qr(torch.randn(m, k, generator=g))[0]
+    right = torch.linalg.qr(torch.randn(n, k, generator=g))[0]
+    s = torch.logspace(torch.log10(torch.tensor(low)), torch.log10(torch.tensor(high)), k)
+    return left @ torch.diag(s) @ right.T
+
+
+# Square, wide and tall; the last two take the Gram-space path (m >= 256, n >= 2m), the
+# others the direct one, so both ways of computing the iterates are checked.
+SHAPES = [(64, 64), (48, 64), (32, 128), (128, 32), (256, 512), (768, 256)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", sorted(COEFFICIENTS))
+def test_matches_float64_reference_in_float32(shape, name):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    per_step = [COEFFICIENTS[name][min(k, len(COEFFICIENTS[name]) - 1)] for k in range(5)]
+    out = newton_schulz(G, coefficients=name, dtype=torch.float32)
+    assert out.shape == G.shape and out.dtype == torch.float32
+    assert relative_error(out, reference(G, per_step)) < FP32_RTOL
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 128), (128, 32), (256, 1024)])
+def test_bf16_is_close_to_float64(shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    out = newton_schulz(G)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 significant bits (rounding 2^-9 = 0.2%); fifteen chained products
+    # compound that to 1-2% (torch.optim.Muon's own bf16 path measures 1.1-1.8% on these
+    # shapes). 3% catches a wrong coefficient or a missed transpose (errors of 10-100%).
+    assert relative_error(out, reference(G, JORDAN * 5)) < 0.03
+
+
+def test_polar_express_folds_the_published_input_margin():
+    # Published recipe: divide by 1.02 ||G||_F, then the published tuples unchanged.
+    G = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
+    expected = reference(G, POLAR_EXPRESS_AS_PUBLISHED, input_margin=1.02)
+    out = newton_schulz(G, coefficients="polar_express", dtype=torch.float32)
+    assert relative_error(out, expected) < FP32_RTOL
+
+
+def test_the_published_coefficients():
+    # Guard against typos: the values as published (see the module docstring for sources).
+    assert JORDAN == ((3.4445, -4.7750, 2.0315),)
+    assert YOU[0] == (4.0848, -6.8946, 2.9270) and YOU[-1] == (2.8366, -3.0525, 1.2012)
+    assert len(YOU) == 5 and len(POLAR_EXPRESS_AS_PUBLISHED) == 5
+    assert POLAR_EXPRESS_AS_PUBLISHED[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+
+
+def test_more_steps_than_tuples_repeat_the_last_tuple():
+    G = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    out = newton_schulz(G, steps=7, coefficients="you", dtype=torch.float32)
+    assert relative_error(out, reference(G, list(YOU) + [YOU[-1]] * 2)) < FP32_RTOL
+
+
+def test_fewer_steps_than_tuples_use_the_first_ones():
+    G = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    out = newton_schulz(G, steps=3, coefficients="you", dtype=torch.float32)
+    assert relative_error(out, reference(G, YOU[:3])) < FP32_RTOL
+
+
+@pytest.mark.parametrize("coefficients", [(3.0, -3.2, 1.2), [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]])
+def test_custom_coefficients(coefficients):
+    G = torch.randn(40, 80, generator=torch.Generator().manual_seed(6))
+    per_step = [coefficients] * 4 if isinstance(coefficients, tuple) else [coefficients[0]] + [coefficients[1]] * 3
+    out = newton_schulz(G, steps=4, coefficients=coefficients, dtype=torch.float32)
+    assert relative_error(out, reference(G, per_step)) < FP32_RTOL
+
+
+# The band each set promises: composing its five scalar polynomials and evaluating on a
+# fine grid of x in [0.01, 1] (every singular value of G / ||G||_F lies in (0, 1]; inputs
+# with sigma_min / ||G||_F >= 0.01 are "well conditioned" here) gives these ranges,
+# computed in float64. Jordan's set trades accuracy for speed on purpose; Jiacheng You's
+# converges tightly; Polar Express overshoots up to 1.14 because of its safety margin.
+BANDS = {
+    "jordan": (0.6818, 1.1344),
+    "you": (0.9778, 1.0318),
+    "polar_express": (0.8589, 1.1411),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BANDS))
+def test_singular_values_lie_in_the_promised_band(name):
+    # Singular values spread over a factor 10: normalised, they lie in about [0.02, 0.2].
+    G = with_singular_values(64, 128, 1.0, 10.0)
+    s = torch.linalg.svdvals(newton_schulz(G, coefficients=name, dtype=torch.float32).double())
+    low, high = BANDS[name]
+    # 1e-3: the grid's resolution and fp32 rounding move the extremes by < 1e-4.
+    assert s.min() >= low - 1e-3 and s.max() <= high + 1e-3
+    # The band is not vacuous: the result spreads over a good part of it.
+    assert s.max() - s.min() > 0.3 * (high - low)
+
+
+def test_singular_values_in_bf16_stay_near_the_band():
+    s = torch.linalg.svdvals(newton_schulz(with_singular_values(64, 128, 1.0, 10.0)).double())
+    # bf16 moves singular values by ~1% (see test_bf16_is_close_to_float64): widen by 0.03.
+    assert s.min() >= 0.6818 - 0.03 and s.max() <= 1.1344 + 0.03
+
+
+def test_input_scale_does_not_matter():
+    G = torch.randn(32, 96, generator=torch.Generator().manual_seed(7))
+    a = newton_schulz(G, dtype=torch.float32)
+    b = newton_schulz(1000.0 * G, dtype=torch.float32)
+    # Normalising by the norm removes the scale up to eps / ||G||_F ~ 1e-8 and rounding.
+    assert relative_error(b, a.double()) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 24), (3, 16, 64), (2, 512, 256)])
+def test_batch_equals_one_matrix_at_a_time(shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
+    one_by_one = torch.stack([newton_schulz(g) for g in G])
+    assert torch.equal(newton_schulz(G), one_by_one)
+    as_list = newton_schulz(list(G))
+    assert isinstance(as_list, list) and torch.equal(torch.stack(as_list), one_by_one)
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 16), (3, 16, 64), (2, 256, 512), (2, 512, 256)])
+def test_the_batched_gpu_path_matches_one_matrix_at_a_time(shape):
+    # GPUs take the whole batch through torch.baddbmm; CPUs go one matrix at a time.
+    # CI has no GPU, so run the batched path's helpers on CPU here.
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(10))
+    batched = _iterate(_normalise(G, 1e-7, torch.float32), list(JORDAN) * 5)
+    for g, b in zip(G, batched):
+        assert relative_error(b, reference(g, JORDAN * 5)) < FP32_RTOL
+
+
+@pytest.mark.parametrize("shape", [(96, 24), (512, 256)])
+def test_tall_is_the_transpose_of_wide(shape):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(9))
+    assert torch.allclose(newton_schulz(G, dtype=torch.float32), newton_schulz(G.T, dtype=torch.float32).T, atol=1e-6)
+
+
+def test_zero_matrix_maps_to_zero():
+    assert torch.equal(newton_schulz(torch.zeros(8, 16)), torch.zeros(8, 16, dtype=torch.bfloat16))
+
+
+def test_input_is_not_modified():
+    G = torch.randn(16, 48)
+    before = G.clone()
+    newton_schulz(G)
+    assert torch.equal(G, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(G=torch.randn(8)), ValueError, "reshape to 2-D"),
+        (dict(G=torch.randn(2, 3, 4, 5)), ValueError, "reshape to 2-D"),
+        (dict(G=torch.ones(4, 4, dtype=torch.int64)), TypeError, "floating-point"),
+        (dict(G=[[1.0, 2.0], [3.0, 4.0]]), TypeError, "floating-point"),
+        (dict(G=[torch.randn(4, 4), torch.randn(4, 5)]), ValueError, "one shape"),
+        (dict(G=[]), ValueError, "at least one matrix"),
+        (dict(G=torch.randn(4, 4), steps=0), ValueError, "steps must be >= 1"),
+        (dict(G=torch.randn(4, 4), steps=2.5), TypeError, "steps must be an int"),
+        (dict(G=torch.randn(4, 4), coefficients="newton"), ValueError, "unknown coefficient set"),
+        (dict(G=torch.randn(4, 4), coefficients=(1.0, 2.0)), TypeError, r"\(a, b, c\)"),
+        (dict(G=torch.randn(4, 4), coefficients=[]), TypeError, r"\(a, b, c\)"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        newton_schulz(**kwargs)
