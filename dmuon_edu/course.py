@@ -7,10 +7,15 @@ Exercise code sits between markers::
     ...
     ### END SOLUTION
 
-``build`` writes the learner twin ``notebooks/NN_name.ipynb``: every marked
-block becomes a stub that raises NotImplementedError, outputs and widget state
-are gone. ``execute`` refreshes the solutions' stored outputs. ``check`` runs
-learner notebooks headless and tabulates what their check cells printed.
+Distributed exercises are torchrun scripts, ``solutions/scripts/NN_name.py``,
+with the same markers.
+
+``build`` writes the learner twins ``notebooks/NN_name.ipynb`` and
+``notebooks/scripts/NN_name.py``: every marked block becomes a stub that
+raises NotImplementedError, outputs and widget state are gone. ``execute``
+refreshes the solutions' stored outputs. ``check`` runs the learner notebooks
+headless and the learner scripts under torchrun, and tabulates the verdicts
+they print (see :mod:`dmuon_edu.checks`).
 
     python -m dmuon_edu.course build        # solutions/ -> notebooks/
     python -m dmuon_edu.course execute [NN] # re-run solutions, store clean outputs
@@ -28,14 +33,16 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from dmuon_edu.checks import RESULT_LINE
+from dmuon_edu.checks import RESULT_LINE, run_script_check
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 NOTEBOOKS = ROOT / "notebooks"
+SOLUTION_SCRIPTS = SOLUTIONS / "scripts"
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB_MESSAGE = "Exercise: replace this line with your code (the cell above says what to do), then run the check below."
+SCRIPT_STUB_MESSAGE = "Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell."
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 CELL_TIMEOUT_S = 600
 
@@ -43,7 +50,7 @@ CELL_TIMEOUT_S = 600
 # --- build: solutions -> learner notebooks ------------------------------------------------
 
 
-def strip_solutions(source: str, where: str = "source") -> str:
+def strip_solutions(source: str, where: str = "source", message: str = STUB_MESSAGE) -> str:
     """Replace each BEGIN/END SOLUTION block by a NotImplementedError stub at the marker's indent."""
     out, indent = [], None
     for number, line in enumerate(source.splitlines(keepends=True), start=1):
@@ -52,7 +59,7 @@ def strip_solutions(source: str, where: str = "source") -> str:
             if indent is not None:
                 raise ValueError(f"{where}, line {number}: {BEGIN} inside another solution block; close it first")
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}raise NotImplementedError({STUB_MESSAGE!r})\n")
+            out.append(f"{indent}raise NotImplementedError({message!r})\n")
         elif marker == END:
             if indent is None:
                 raise ValueError(f"{where}, line {number}: {END} without a {BEGIN} before it")
@@ -77,13 +84,20 @@ def learner_notebook(solution: nbformat.NotebookNode, name: str) -> nbformat.Not
     return learner
 
 
+def learner_script(source: str, name: str) -> str:
+    """The learner twin of a solution script: the same file with its solution blocks stubbed."""
+    return strip_solutions(source, where=name, message=SCRIPT_STUB_MESSAGE) + "\n"
+
+
 def build(check_only: bool = False) -> list[Path]:
-    """Write notebooks/ from solutions/; return the learner notebooks that were (or would be) changed."""
+    """Write notebooks/ (and notebooks/scripts/) from solutions/; return what was (or would be) changed."""
     changed = []
-    for solution_path in sorted(SOLUTIONS.glob("*.ipynb")):
-        learner = learner_notebook(nbformat.read(solution_path, as_version=4), solution_path.name)
-        text = nbformat.writes(learner) + "\n"
-        target = NOTEBOOKS / solution_path.name
+    twins = [
+        (path, nbformat.writes(learner_notebook(nbformat.read(path, as_version=4), path.name)) + "\n")
+        for path in sorted(SOLUTIONS.glob("*.ipynb"))
+    ] + [(path, learner_script(path.read_text(), path.name)) for path in sorted(SOLUTION_SCRIPTS.glob("*.py"))]
+    for solution_path, text in twins:
+        target = NOTEBOOKS / solution_path.relative_to(SOLUTIONS)
         if not target.exists() or target.read_text() != text:
             changed.append(target)
             if not check_only:
@@ -140,6 +154,19 @@ def grade(path: Path) -> list[ExerciseStatus]:
     return statuses
 
 
+def grade_script(path: Path, nproc: int = 2) -> ExerciseStatus:
+    """Run a learner script on ``nproc`` ranks and read its verdict."""
+    result = run_script_check(path, nproc)
+    return ExerciseStatus(path.stem, result.exercise, *_STATUS_WORDS[result.status](result.message))
+
+
+_STATUS_WORDS = {
+    "PASS": lambda message: ("passed", ""),
+    "TODO": lambda message: ("not attempted", ""),
+    "FAIL": lambda message: ("failed", message),
+}
+
+
 def _verdict(outputs) -> tuple[str, str]:
     for output in outputs:
         if output.output_type == "stream":
@@ -147,7 +174,7 @@ def _verdict(outputs) -> tuple[str, str]:
                 result = RESULT_LINE.match(line)
                 if result:
                     word, _, message = result.groups()
-                    return {"PASS": ("passed", ""), "TODO": ("not attempted", ""), "FAIL": ("failed", message)}[word]
+                    return _STATUS_WORDS[word](message)
         if output.output_type == "error":
             if output.ename == "NotImplementedError":
                 return "not attempted", ""
@@ -169,18 +196,14 @@ def format_table(statuses: list[ExerciseStatus]) -> str:
     return "\n".join(lines)
 
 
-def select(folder: Path, selector: str | None) -> list[Path]:
-    """Notebooks of ``folder`` whose name starts with ``selector`` (e.g. "01"), or a notebook path."""
-    if selector and selector.endswith(".ipynb"):
+def select(folder: Path, selector: str | None, pattern: str = "*.ipynb") -> list[Path]:
+    """Files of ``folder`` whose name starts with ``selector`` (e.g. "01"), or the path ``selector`` itself."""
+    if selector and Path(selector).suffix in (".ipynb", ".py"):
         path = Path(selector)
         if not path.exists():
-            raise SystemExit(f"no notebook at {selector}")
-        return [path]
-    paths = [p for p in sorted(folder.glob("*.ipynb")) if selector is None or p.name.startswith(selector)]
-    if not paths:
-        available = ", ".join(p.stem for p in sorted(folder.glob("*.ipynb")))
-        raise SystemExit(f"no notebook in {folder} starts with {selector!r}; available: {available}")
-    return paths
+            raise SystemExit(f"no file at {selector}")
+        return [path] if path.match(pattern) else []
+    return [p for p in sorted(folder.glob(pattern)) if selector is None or p.name.startswith(selector)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"executing {path.relative_to(ROOT)}", flush=True)
             execute(path)
         return 0
-    statuses = [status for path in select(NOTEBOOKS, args.selector) for status in grade(path)]
+    notebooks = select(NOTEBOOKS, args.selector)
+    scripts = select(NOTEBOOKS / "scripts", args.selector, "*.py")
+    if not notebooks and not scripts:
+        raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}")
+    statuses = [status for path in notebooks for status in grade(path)]
+    statuses += [grade_script(path) for path in scripts]
     print(format_table(statuses))
     return 0 if all(s.status == "passed" for s in statuses) else 1
 

@@ -8,7 +8,7 @@ started while ``fn`` runs.
 - CUDA: the caching allocator's statistics (``torch.cuda.max_memory_allocated``).
 - CPU: there are no allocator statistics, so the profiler records every
   allocation and free (``profile_memory=True``) and the peak of the running
-  sum is taken.
+  sum of the calling thread's records is taken.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import tempfile
 from collections.abc import Callable
 
@@ -79,7 +80,12 @@ def _cpu_allocation_deltas(prof: profile) -> list[int]:
             events = json.load(f)["traceEvents"]
     finally:
         os.remove(path)
-    memory_events = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    # Only this thread's allocations: background threads (a process group's
+    # communication threads, for one) allocate at times of their own.
+    thread = threading.get_native_id()
+    memory_events = [
+        e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0 and e.get("tid") == thread
+    ]
     memory_events.sort(key=lambda e: e["ts"])
     return [e["args"]["Bytes"] for e in memory_events]
 

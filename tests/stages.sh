@@ -20,7 +20,9 @@ stage() {
 }
 
 stage "install" make --no-print-directory install
-stage "unit tests" $PY -m pytest -q tests
+stage "chromium for the browser test" bash tests/install_chromium.sh
+stage "unit tests" $PY -m pytest -q -m "not torchrun" tests
+stage "torchrun scripts and distributed tests" $PY -m pytest -q -m torchrun tests
 stage "solution notebooks (nbval)" $PY -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
     --nbval-sanitize-with tests/nbval_sanitize.cfg solutions
 

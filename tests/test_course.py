@@ -52,14 +52,20 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
             f"cell without stored output: run `make solutions`:\n{cell.source[:200]}"
         )
     exercises = [i for i, cell in enumerate(code_cells) if course.BEGIN in cell.source]
-    assert exercises, "a module notebook has at least one exercise"
+    scripts = sorted(course.SOLUTION_SCRIPTS.glob(f"{path.name[:2]}_*.py"))
+    assert exercises or scripts, "a module has at least one exercise, in its notebook or in its scripts"
+    for script in scripts:
+        assert course.BEGIN in script.read_text(), f"{script.name} has no exercise block"
+        assert any(f'check_script("scripts/{script.name}"' in cell.source for cell in code_cells), (
+            f"{path.name} never runs scripts/{script.name} with check_script"
+        )
     for i in exercises:
         following = code_cells[i + 1].source if i + 1 < len(code_cells) else ""
         assert course.CHECK_CALL.search(following), f"exercise cell {i} is not followed by a check cell"
 
 
 def _prints(cell):
-    return "print(" in cell.source or "check(" in cell.source
+    return any(call in cell.source for call in ("print(", "check(", "check_script("))
 
 
 # --- grading, end to end through a real kernel ----------------------------------------------

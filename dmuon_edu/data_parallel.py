@@ -1,0 +1,126 @@
+"""The shared problem of the data-parallel exercises, and its single-process baseline.
+
+Every rank builds the same seeded model and the same *global* data. A global
+micro-batch of ``global_microbatch`` samples is split evenly over the ranks, so
+one optimizer step of W ranks with N micro-batches each sees exactly the
+``N * global_microbatch`` samples that the baseline sees as one batch.
+Distributed runs are right when their parameters equal the baseline's after
+every step; that is what :meth:`Problem.baseline` and :func:`report` check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dmuon_edu.checks import CheckResult
+from dmuon_edu.distributed import print0
+
+__all__ = ["Problem", "report", "ADAMW_TOLERANCE"]
+
+# AdamW on both sides. The distributed gradient adds the same terms as the
+# baseline's in another order (per rank, then across ranks): ~1e-7 relative.
+# Adam divides by sqrt(v), which amplifies that where a gradient component
+# nearly cancels; measured below 1e-7 here after 3 steps. A real mistake (a
+# missing average, a dropped micro-batch) moves parameters by more than 1e-3.
+ADAMW_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class Problem:
+    n_windows: int = 3
+    accum_steps: int = 4
+    global_microbatch: int = 8
+    seed: int = 0
+
+    def model(self) -> nn.Module:
+        """The same freshly initialised MLP on every call and every rank."""
+        torch.manual_seed(self.seed)
+        return nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def loss_fn(self, predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(predictions, targets)
+
+    def windows(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``n_windows`` windows of ``accum_steps`` global micro-batches."""
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        teacher = torch.randn(16, 4, generator=generator)
+        windows = []
+        for _ in range(self.n_windows):
+            window = []
+            for _ in range(self.accum_steps):
+                x = torch.randn(self.global_microbatch, 16, generator=generator)
+                window.append((x, torch.sin(x @ teacher)))
+            windows.append(window)
+        return windows
+
+    def local(self, batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int):
+        """This rank's equal share of a global micro-batch."""
+        if self.global_microbatch % world_size:
+            raise ValueError(
+                f"a global micro-batch of {self.global_microbatch} does not split evenly over {world_size} ranks; "
+                "choose a world size that divides it"
+            )
+        return tuple(t.chunk(world_size)[rank] for t in batch)
+
+    def baseline(self) -> list[list[torch.Tensor]]:
+        """Parameters after each optimizer step of one process that sees each whole window as one batch."""
+        model = self.model()
+        optimizer = self.optimizer(model.parameters())
+        trajectory = []
+        for window in self.windows():
+            x, y = (torch.cat(parts) for parts in zip(*window))
+            optimizer.zero_grad()
+            self.loss_fn(model(x), y).backward()
+            optimizer.step()
+            trajectory.append([p.detach().clone() for p in model.parameters()])
+        return trajectory
+
+
+def report(
+    exercise: str,
+    differences: list[float],
+    collectives: dict[str, tuple[int, int]],
+    hint: str,
+    measurements: dict | None = None,
+) -> CheckResult:
+    """Print, on rank 0, how far each step is from the baseline and what was communicated; return the verdict.
+
+    ``collectives`` maps a row label to (calls, bytes) per optimizer step.
+    If the script was given a path as its first argument, rank 0 also writes
+    everything, with any further ``measurements``, to that JSON file for plots
+    and tests.
+    """
+    for step, difference in enumerate(differences, start=1):
+        verdict = "matches" if difference < ADAMW_TOLERANCE else "DIFFERS from"
+        print0(f"step {step}: {verdict} the single-process baseline (tolerance {ADAMW_TOLERANCE:.0e})")
+    if collectives:
+        width = max(len(label) for label in collectives)
+        print0(f"{'per optimizer step':{width}}  calls     bytes")
+        for label, (calls, nbytes) in collectives.items():
+            print0(f"{label:{width}}  {calls:5d}  {nbytes:8d}")
+    bad = [step for step, difference in enumerate(differences, start=1) if not difference < ADAMW_TOLERANCE]
+    if bad:
+        result = CheckResult(exercise, "FAIL", f"parameters left the baseline at step {bad[0]}: {hint}")
+    else:
+        result = CheckResult(exercise, "PASS", f"every step equals the single-process full-batch step ({len(differences)} steps)")
+    print0(result)
+    if len(sys.argv) > 1 and dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps({
+            "status": result.status,
+            "differences": differences,
+            "collectives": collectives,
+            "measurements": measurements or {},
+        }, indent=1))
+    return result

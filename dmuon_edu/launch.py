@@ -1,0 +1,208 @@
+"""Run a script under torchrun from a notebook cell or a test, and never hang.
+
+    result = torchrun("solutions/scripts/05_ddp_no_sync.py", nproc=2)
+
+torchrun (``python -m torch.distributed.run``) starts ``nproc`` ranks on this
+machine (``--standalone`` picks a free port). Each rank's output is printed as
+it arrives, tagged ``[rank r]``. If a rank fails, :class:`RankFailedError`
+names the rank torchrun saw fail first and carries its exception. If the job
+outlives ``timeout`` seconds, every process of it is killed.
+
+Scripts choose their backend with :func:`dmuon_edu.distributed.session`: gloo
+on CPU, NCCL when there is a GPU for every rank. A notebook must not
+``mp.spawn`` functions it defines: spawned processes re-import ``__main__``,
+which a notebook does not have as a file.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["torchrun", "LaunchResult", "RankFailedError"]
+
+# torchrun --tee prefixes "[default<local rank>]:"; torch's own excepthook adds "[rank<r>]: " to tracebacks.
+_RANK_LINE = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?(.*)$")
+_ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+_TERMINATE_GRACE_S = 5
+# gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout".
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|collective operation timeout", re.I)
+_SOURCE_LOCATION = re.compile(r"\[[^\]]+\.(?:cc|cpp|h):\d+\] ")
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a torchrun job failed; ``rank`` and ``exception`` say which and why."""
+
+    def __init__(self, rank: int | None, exception: str, output: str, silent_ranks: tuple[int, ...] = ()):
+        self.rank, self.exception, self.output = rank, exception, output
+        who = f"rank {rank}" if rank is not None else "a rank"
+        message = f"{who} failed: {exception}"
+        if _COLLECTIVE_TIMEOUT.search(exception):
+            others = (f"rank{'s' * (len(silent_ranks) > 1)} {', '.join(map(str, silent_ranks))} raised nothing: "
+                      "look there for the one that stopped answering" if silent_ranks else "another rank stopped answering")
+            message = (f"{who} failed: a collective timed out ({_SOURCE_LOCATION.sub('', exception)}). {others} "
+                       "(it hangs, or waits in a different collective); the wait limit is "
+                       "distributed.session(timeout_s=...)")
+        super().__init__(message)
+
+
+@dataclass
+class LaunchResult:
+    """What a finished torchrun job printed, per rank."""
+
+    returncode: int
+    output: dict[int, list[str]] = field(default_factory=dict)
+    launcher_log: list[str] = field(default_factory=list)
+
+    def stdout(self, rank: int = 0) -> str:
+        return "\n".join(self.output.get(rank, []))
+
+
+def torchrun(
+    script: str | os.PathLike,
+    nproc: int = 2,
+    args: tuple | list = (),
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    echo: bool = True,
+) -> LaunchResult:
+    """Run ``script`` on ``nproc`` local ranks; return their output, or raise naming the failed rank.
+
+    ``echo`` prints each rank's lines as they arrive (``[rank r] ...``).
+    """
+    script = Path(script)
+    if not script.is_file():
+        raise FileNotFoundError(f"no script at {script}: pass the path of a .py file")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--tee=3", str(script), *map(str, args)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=_rank_environment(nproc, env), start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+
+    result = LaunchResult(returncode=-1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            _kill_tree(process)
+            raise TimeoutError(
+                f"{script.name} did not finish within {timeout} s on {nproc} ranks, so every process of it "
+                f"was killed. Last lines:\n{_tail(result)}"
+            ) from None
+        if line is None:
+            break
+        _route(line.rstrip("\n"), result, echo)
+    result.returncode = process.wait()
+    if result.returncode != 0:
+        rank = _failed_rank(result)
+        silent = tuple(r for r in range(nproc) if r != rank and not any(
+            line.startswith("Traceback") for line in result.output.get(r, [])))
+        raise RankFailedError(rank, _exception_of(result, rank), _tail(result, 40), silent)
+    return result
+
+
+def _rank_environment(nproc: int, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    # Without a limit every rank starts one thread per core and they fight over the cores.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _route(line: str, result: LaunchResult, echo: bool) -> None:
+    match = _RANK_LINE.match(line)
+    if match is None:
+        result.launcher_log.append(line)
+        return
+    rank, text = int(match.group(1)), match.group(2)
+    result.output.setdefault(rank, []).append(text)
+    if echo:
+        print(f"[rank {rank}] {text}", flush=True)
+
+
+def _failed_rank(result: LaunchResult) -> int | None:
+    match = _ROOT_CAUSE_RANK.search("\n".join(result.launcher_log))
+    if match:
+        return int(match.group(1))
+    with_traceback = [rank for rank, lines in sorted(result.output.items()) if any(l.startswith("Traceback") for l in lines)]
+    return with_traceback[0] if with_traceback else None
+
+
+def _exception_of(result: LaunchResult, rank: int | None) -> str:
+    """The last line of the rank's last traceback: 'ValueError: ...'."""
+    lines = result.output.get(rank, []) if rank is not None else []
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    if starts:
+        unindented = [line for line in lines[starts[-1] + 1:] if line and not line.startswith(" ")]
+        if unindented:
+            return unindented[-1]
+    return f"exit code {result.returncode}, no Python traceback (killed by a signal, or out of memory?)"
+
+
+def _tail(result: LaunchResult, n: int = 20) -> str:
+    lines = [f"[rank {rank}] {line}" for rank, rank_lines in sorted(result.output.items()) for line in rank_lines[-n:]]
+    return "\n".join(lines[-n:] + result.launcher_log[-n:])
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    # torchrun starts each rank in a session of its own, so killing torchrun's
+    # process group is not enough: find every descendant first.
+    victims = [process.pid, *_descendants(process.pid)]
+    for pid in victims:
+        _signal(pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=_TERMINATE_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in victims + _descendants(process.pid):
+        _signal(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: torchrun forwards SIGTERM to its ranks itself
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

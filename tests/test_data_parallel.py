@@ -1,0 +1,134 @@
+"""Module 5: the launcher, and the data-parallel exercise scripts against their baseline.
+
+Launches are the expensive part (~4 s each), so each solution script runs once
+and writes its numbers to JSON; the tests below read those numbers.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmuon_edu import course
+from dmuon_edu.data_parallel import ADAMW_TOLERANCE, Problem
+from dmuon_edu.launch import RankFailedError, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+DIST = Path(__file__).parent / "dist"
+SCRIPTS = course.SOLUTION_SCRIPTS
+MODULE_5 = sorted(SCRIPTS.glob("05_*.py"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each module 5 solution script on 2 ranks, and the by-hand one on 4 too."""
+    out = {}
+    for script, nproc in [(s, 2) for s in MODULE_5] + [(SCRIPTS / "05_allreduce_by_hand.py", 4)]:
+        path = tmp_path_factory.mktemp("results") / f"{script.stem}-{nproc}.json"
+        torchrun(script, nproc=nproc, args=[path], echo=False, timeout=120)
+        out[script.stem, nproc] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("run", [(s.stem, 2) for s in MODULE_5] + [("05_allreduce_by_hand", 4)], ids=str)
+def test_every_step_equals_the_single_process_baseline(results, run):
+    result = results[run]
+    assert result["status"] == "PASS"
+    assert len(result["differences"]) == Problem().n_windows
+    assert max(result["differences"]) < ADAMW_TOLERANCE
+
+
+def test_by_hand_all_reduces_once_per_window(results):
+    gradient_bytes = sum(p.numel() * p.element_size() for p in Problem().model().parameters())
+    for nproc in (2, 4):
+        assert results["05_allreduce_by_hand", nproc]["collectives"]["all_reduce"] == [1, gradient_bytes]
+
+
+def test_ddp_all_reduces_once_per_window_with_no_sync_and_n_times_without(results):
+    rows = results["05_ddp_no_sync", 2]["collectives"]
+    n = Problem().accum_steps
+    calls_sync, bytes_sync = rows["all_reduce, no_sync around forward+backward"]
+    calls_wrong, bytes_wrong = rows["all_reduce, no_sync around backward only"]
+    assert (calls_sync, calls_wrong) == (1, n)  # the model fits in one DDP bucket
+    assert bytes_wrong == n * bytes_sync
+
+
+def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered(results):
+    rows = results["05_fsdp2_accumulation", 2]["collectives"]
+    n, layers = Problem().accum_steps, 3
+    assert rows["reduce_scatter, reduce-scatter every micro-batch"][0] == n * layers
+    assert rows["reduce_scatter, gradient sync on the last only"][0] == layers
+    # One all-gather per layer for each forward and each backward, unless parameters stay gathered:
+    # then only the first forward gathers, and the last backward (resharding again) gathers nothing new.
+    assert rows["all_gather, gradient sync on the last only"][0] == 2 * n * layers
+    assert rows["all_gather, ... and parameters kept gathered"][0] < 2 * n * layers
+    kept = results["05_fsdp2_accumulation", 2]["measurements"]["gradient bytes kept between micro-batches"]
+    assert kept["without sync"] == 2 * kept["with sync"]  # the whole gradient instead of a 1/W shard, W = 2
+
+
+@pytest.mark.parametrize("script", MODULE_5, ids=lambda p: p.stem)
+def test_learner_scripts_are_real_exercises(script):
+    # One rank suffices to reach the stub, and starts faster than two.
+    status = course.grade_script(course.NOTEBOOKS / "scripts" / script.name, nproc=1)
+    assert status.status == "not attempted", status
+
+
+# --- the launcher ---------------------------------------------------------------------------
+
+
+def _processes_running(script_name):
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if script_name in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def test_a_failing_rank_is_named_with_its_exception_quickly_and_nothing_is_left_behind():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        torchrun(DIST / "raise_on_rank1.py", nproc=2, echo=False, timeout=60)
+    assert time.monotonic() - start < 30
+    assert failure.value.rank == 1
+    assert failure.value.exception == "ValueError: injected failure on rank 1"
+    assert "rank 1 failed: ValueError: injected failure on rank 1" in str(failure.value)
+    assert _processes_running("raise_on_rank1.py") == []
+
+
+def test_a_hanging_job_is_killed_at_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 6 s"):
+        torchrun(DIST / "hang.py", nproc=2, echo=False, timeout=6)
+    assert time.monotonic() - start < 6 + 10  # the timeout, plus the grace given to SIGTERM
+    assert _processes_running("hang.py") == []
+
+
+def test_bad_launcher_input_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no script at"):
+        torchrun(tmp_path / "missing.py")
+    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
+        torchrun(DIST / "hang.py", nproc=0)
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        torchrun(DIST / "hang.py", timeout=0)
+
+
+def test_session_outside_torchrun_says_how_to_launch(monkeypatch):
+    from dmuon_edu import distributed
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="not started by torchrun"):
+        with distributed.session():
+            pass
+
+
+def test_a_rank_share_must_divide_evenly():
+    with pytest.raises(ValueError, match="does not split evenly"):
+        Problem(global_microbatch=6).local((torch.zeros(6), torch.zeros(6)), rank=0, world_size=4)
