@@ -1,0 +1,297 @@
+"""dedicate_params: owners, residency (broadcast / free) and gradients (reduce / no_sync).
+
+Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
+``model._dmuon``. Hooks, all registered by :func:`dedicate_params`:
+
+- on each *unit* (the module of a layer, see plan.layer_of), a forward pre-hook that
+  makes the unit's dedicated parameters resident (one broadcast per owner and dtype,
+  packed), and a forward hook that, in Z3, frees them again and arranges for the
+  broadcast to be repeated when backward reaches the unit (a hook on the unit's
+  outputs, which autograd runs before the unit's own backward);
+- on each dedicated parameter, a post-accumulate-grad hook: inside no_sync it moves
+  ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad``,
+  reduces (AVG) to the owner and adds the result into the owner's ``p._reduced_grad``.
+  Either way ``p.grad`` is left None. In Z3 a non-owner frees the parameter there.
+
+Storage is freed with ``untyped_storage().resize_(0)`` and refilled in place, the way
+FSDP does, so that autograd's saved references to the parameter stay valid; the
+refill preserves the version counter, so autograd does not see it as an in-place edit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
+
+from . import fsdp_exclusion
+from .plan import layer_of, plan_owners
+
+__all__ = ["dedicate_params", "no_sync", "ownership", "DMuonState", "state_of"]
+
+
+@dataclass
+class Unit:
+    """The dedicated parameters of one layer, packed per (owner, dtype): one broadcast each."""
+
+    path: str
+    packs: list[tuple[int, list[nn.Parameter]]]
+    resident: bool = False
+
+
+@dataclass
+class DMuonState:
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    params: dict[str, nn.Parameter]  # dedicated, by name, in model order
+    owners: dict[str, int]  # name -> owner's rank in the mesh
+    units: list[Unit] = field(default_factory=list)
+    unit_of: dict[nn.Parameter, Unit] = field(default_factory=dict)
+    in_no_sync: bool = False
+
+    def __post_init__(self):
+        self.group = self.mesh.get_group()
+        self.rank = self.mesh.get_local_rank()
+        self.world_size = self.mesh.size()
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE) == self.rank
+
+    # -- residency ------------------------------------------------------------------
+    def make_resident(self, unit: Unit) -> None:
+        """Every rank gets the unit's dedicated parameters: each owner broadcasts one packed buffer."""
+        if unit.resident:
+            return
+        for owner, params in unit.packs:
+            if owner == self.rank:
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            dist.broadcast(flat, group=self.group, group_src=owner)
+            if owner != self.rank:
+                offset = 0
+                for p in params:
+                    _fill(p, flat[offset : offset + p.numel()])
+                    offset += p.numel()
+        unit.resident = True
+
+    def release(self, unit: Unit) -> None:
+        """Non-owners free their copies of the unit's dedicated parameters."""
+        for owner, params in unit.packs:
+            if owner != self.rank:
+                for p in params:
+                    _free(p)
+        unit.resident = False
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    # -- gradients -----------------------------------------------------------------
+    def on_grad(self, p: nn.Parameter) -> None:
+        """Called once p.grad holds this backward's whole gradient."""
+        g, p.grad = p.grad, None
+        if self.in_no_sync:
+            p._accumulated_grad = g if p._accumulated_grad is None else p._accumulated_grad.add_(g)
+        else:
+            if p._accumulated_grad is not None:
+                g, p._accumulated_grad = p._accumulated_grad.add_(g), None
+            g = g.contiguous()
+            owner = getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
+            dist.reduce(g, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
+            if owner == self.rank:
+                p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+        if self.reshard_after_forward:
+            # On every rank alike, owner or not, so that all ranks agree on the next broadcast.
+            self.unit_of[p].resident = False
+            if not self.owns(p):
+                _free(p)
+
+
+def _free(p: torch.Tensor) -> None:
+    p.untyped_storage().resize_(0)
+
+
+def _fill(p: torch.Tensor, values: torch.Tensor) -> None:
+    """Give p its storage back and copy values in, invisibly to autograd's version checks."""
+    storage = p.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(p.numel() * p.element_size())
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+        p.copy_(values.view_as(p))
+
+
+def state_of(model: nn.Module) -> DMuonState:
+    state = getattr(model, "_dmuon", None)
+    if state is None:
+        raise ValueError(
+            "this model has no dedicated parameters: call dmuon.dedicate_params(model, mesh, predicate) "
+            "before fully_shard, and pass that same model here"
+        )
+    return state
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    *,
+    reshard_after_forward: bool = True,
+) -> dict[str, int]:
+    """Give each parameter that ``predicate(name, param)`` selects one owner rank; call before fully_shard.
+
+    The owner keeps the full parameter and, later, its optimizer state; the other ranks
+    free their copies now and receive them by broadcast before each use. Every later
+    ``fully_shard`` call leaves these parameters alone (see fsdp_exclusion).
+    ``reshard_after_forward=True`` is Z3 (free after forward, broadcast again for
+    backward); False is Z2 (resident from the first forward until optimizer.step(),
+    through every micro-batch, since the parameters cannot change before the step).
+    Returns ``{name: owner rank}``.
+
+    Broadcasts happen per layer: the module named by the parameter's name up to its
+    first numeric index (``model.layers[3]`` for "layers.3.mlp.up_proj.weight"), or the
+    parameter's own module when there is no such index or that module is a container
+    that is never called (a ModuleDict). Move the model to the mesh's device first.
+    """
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(
+            f"dedicate_params needs a 1-D DeviceMesh, got {what}: use "
+            "init_device_mesh(device_type, (world_size,))"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh spans {mesh.size()} rank(s) but the process group has {world}: dmuon needs a mesh over "
+            f"every rank of the process group; build it with init_device_mesh('{mesh.device_type}', "
+            "(dist.get_world_size(),)) after the process group exists"
+        )
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(
+            "the model is already sharded by fully_shard: call dmuon.dedicate_params(model, mesh, predicate) "
+            "first, then fully_shard the layers and the model"
+        )
+    if getattr(model, "_dmuon", None) is not None:
+        raise RuntimeError("dedicate_params was already called on this model; call it once")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True (Z3) or False (Z2), got {reshard_after_forward!r}")
+
+    params = {name: p for name, p in model.named_parameters() if predicate(name, p)}
+    if not params:
+        raise ValueError(
+            "the predicate selected no parameter: it is called as predicate(name, param) for each of "
+            "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
+        )
+    for name, p in params.items():
+        if p.ndim != 2:
+            raise ValueError(
+                f"the predicate selected {name} of shape {tuple(p.shape)}: only 2-D matrices can be dedicated "
+                "(Muon orthogonalises matrices); add `and p.ndim == 2` to the predicate"
+            )
+        if p.device.type != mesh.device_type:
+            raise ValueError(
+                f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
+                f"device first (e.g. model.to('{mesh.device_type}')), then call dedicate_params"
+            )
+        if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            raise ValueError(f"{name} shares its storage with another tensor; dedicated parameters need their own")
+
+    owners = plan_owners({name: tuple(p.shape) for name, p in params.items()}, mesh.size())
+    state = DMuonState(mesh, reshard_after_forward, params, owners)
+    _build_units(model, state)
+    fsdp_exclusion.install()
+    for name, p in params.items():
+        setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, owners[name])
+        p._reduced_grad = None
+        p._accumulated_grad = None
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(state.on_grad)
+    model._dmuon = state
+    state.release_all()
+    return dict(owners)
+
+
+def _build_units(model: nn.Module, state: DMuonState) -> None:
+    by_path: dict[str, list[str]] = {}
+    for name in state.params:
+        by_path.setdefault(_unit_path(model, name), []).append(name)
+    for path, names in by_path.items():
+        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
+        for name in names:
+            p = state.params[name]
+            packs.setdefault((state.owners[name], str(p.dtype)), []).append(p)
+        unit = Unit(path, [(owner, ps) for (owner, _), ps in sorted(packs.items())])
+        state.units.append(unit)
+        for ps in packs.values():
+            for p in ps:
+                state.unit_of[p] = unit
+        module = model.get_submodule(path)
+        module.register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
+        module.register_forward_hook(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output))
+        # A safety net, for code that calls a layer's parts without calling the layer:
+        # the module holding the parameter makes the unit resident too (a no-op if it is).
+        for own in {name.rpartition(".")[0] for name in names} - {path}:
+            model.get_submodule(own).register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
+
+
+def _unit_path(model: nn.Module, name: str) -> str:
+    """The module whose forward brackets the use of parameter ``name``: its layer, else its own module."""
+    path = layer_of(name)
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        layer = None
+    if layer is None or type(layer).forward is nn.Module.forward:  # e.g. a ModuleDict: never called
+        return name.rpartition(".")[0]
+    return path
+
+
+def _after_forward(state: DMuonState, unit: Unit, output) -> None:
+    if not state.reshard_after_forward:
+        return
+    state.release(unit)
+    if torch.is_grad_enabled():
+        # Autograd runs a hook on an output's gradient before the backward of the
+        # operation that made the output, i.e. before the unit's backward.
+        def before_backward(grad):
+            state.make_resident(unit)
+
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(before_backward)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally, with no communication of either kind, until the block ends.
+
+    Dedicated gradients add into ``p._accumulated_grad`` on every rank; the FSDP2
+    modules get ``set_requires_gradient_sync(False)``. The first backward after the
+    block reduces everything accumulated. Run the forward inside the block too.
+    """
+    state = state_of(model)
+    if state.in_no_sync:  # nested: the outer block restores
+        yield
+        return
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    state.in_no_sync = True
+    for m in fsdp_modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        state.in_no_sync = False
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def ownership(model: nn.Module) -> dict[str, int]:
+    """``{name: owner rank in the mesh}`` for each dedicated parameter."""
+    return dict(state_of(model).owners)

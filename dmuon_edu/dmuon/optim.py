@@ -1,0 +1,183 @@
+"""dmuon.Muon: single-device Muon on each owner's matrices, AdamW on everyone's FSDP2 shards.
+
+Two param groups, visible to torch.optim.lr_scheduler like any optimizer's:
+
+- ``param_groups[0]``, Muon: every dedicated parameter (on every rank, so that the
+  groups look alike everywhere), with lr, momentum, nesterov, weight_decay,
+  adjust_lr_fn, ns_steps, ns_dtype;
+- ``param_groups[1]``, AdamW: every other trainable parameter (its FSDP2 shard), with
+  lr (= adamw_lr), betas, eps, weight_decay (= adamw_weight_decay).
+
+A scheduler scales each group's own ``lr``: LambdaLR(opt, f) multiplies both lr and
+adamw_lr by f(step). The groups are the source of truth; step() hands their values to
+two inner optimizers: a dmuon_edu.muon.Muon over the matrices this rank owns (fed with
+``p._reduced_grad``, same-shape matrices batched through Newton-Schulz) and a
+torch.optim.AdamW over the shards.
+
+Non-finite gradients: if any gradient of the step holds NaN or Inf, on any rank (an
+owner's reduced matrix gradient or any FSDP2 shard), step() skips the whole step on
+every rank: weights, momentum, Adam moments and step counts stay as they were, a
+RuntimeWarning says so, and ``skipped_steps`` counts it (GradScaler's policy, applied
+to all ranks alike). Deciding it costs one all_reduce of a one-element flag per step.
+
+Optimizer state is created at construction (zero momentum, zero Adam moments, step 0:
+exactly a fresh optimizer's first step), so that a fresh optimizer's state dict
+already holds every entry a checkpoint load fills.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype
+
+from dmuon_edu import muon as single_device
+
+from .dedicate import state_of
+
+__all__ = ["Muon"]
+
+MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr_fn", "ns_steps", "ns_dtype")
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for a model prepared with ``dedicate_params`` and ``fully_shard``.
+
+    Call ``step()`` once per optimizer step, outside ``no_sync`` (after the backward
+    that reduces), and ``zero_grad()`` after it. After ``step()`` the non-owner copies
+    of dedicated parameters are freed: the next forward broadcasts the new values.
+    ``state_dict()`` is not per-rank meaningful; use dmuon.get_optimizer_state_dict.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        adjust_lr_fn: str = "original",
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")
+        self._dmuon = state_of(model)
+        dedicated = list(self._dmuon.params.values())
+        is_dedicated = {id(p) for p in dedicated}
+        others = [p for p in model.parameters() if id(p) not in is_dedicated and p.requires_grad]
+        self._owned = [p for p in dedicated if self._dmuon.owns(p)]
+        unsharded = [n for n, p in model.named_parameters()
+                     if id(p) not in is_dedicated and p.requires_grad and not isinstance(p, DTensor)]
+        if unsharded and self._dmuon.world_size > 1:
+            raise ValueError(
+                f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor sharded by FSDP2, so "
+                "nothing would average its gradient: fully_shard the layers and the model before building dmuon.Muon"
+            )
+
+        muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                          adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
+        adamw_hyper = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        # The inner optimizers check the hyperparameters (and accept an empty list).
+        self._muon = single_device.Muon([{"params": self._owned}], **muon_hyper)
+        self._adamw = torch.optim.AdamW([{"params": others}], **adamw_hyper)
+        super().__init__([{"params": dedicated, **muon_hyper}, {"params": others, **adamw_hyper}], defaults={})
+
+        self.skipped_steps = 0  # steps skipped for non-finite gradients
+        for p in self._owned:
+            self._muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        for p in others:
+            self._adamw.state[p].update(
+                step=torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW makes it: on CPU
+                exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+            )
+
+    @property
+    def muon_group(self) -> dict:
+        return self.param_groups[0]
+
+    @property
+    def adamw_group(self) -> dict:
+        return self.param_groups[1]
+
+    def _push_hyperparameters(self) -> None:
+        inner_muon, inner_adamw = self._muon.param_groups[0], self._adamw.param_groups[0]
+        candidate = {**inner_muon, **{k: self.muon_group[k] for k in MUON_KEYS}}
+        single_device._check_hyperparameters(candidate)
+        inner_muon.update({k: self.muon_group[k] for k in MUON_KEYS})
+        inner_adamw.update({k: self.adamw_group[k] for k in ADAMW_KEYS})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._dmuon.in_no_sync:
+            raise RuntimeError(
+                "optimizer.step() inside dmuon.no_sync(model): the gradients are not reduced yet. "
+                "Run the last micro-batch's forward and backward outside no_sync, then step"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._push_hyperparameters()
+        if not self._gradients_finite():
+            self.skipped_steps += 1
+            warnings.warn(
+                "dmuon.Muon skipped this optimizer step on every rank: a gradient holds NaN or Inf. Weights and "
+                "optimizer state are unchanged. Call zero_grad() and go on, and look for the cause (a too-large "
+                "learning rate, an fp16 overflow, a bad batch)",
+                RuntimeWarning,
+            )
+            self._dmuon.release_all()
+            return loss
+        for p in self._owned:
+            p.grad = p._reduced_grad
+        try:
+            self._muon.step()
+        finally:
+            for p in self._owned:
+                p.grad = None
+        self._adamw.step()
+        # The owners' matrices changed: every other copy is stale.
+        self._dmuon.release_all()
+        return loss
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient of this step is finite on every rank (the same answer everywhere)."""
+        grads = [p._reduced_grad for p in self._owned if p._reduced_grad is not None]
+        grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                  for p in self.adamw_group["params"] if p.grad is not None]
+        # min and max are finite exactly when every entry is; one host sync in all.
+        extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
+        device = next(iter(self._dmuon.params.values())).device
+        bad = (~torch.cat(extremes).isfinite()).any().float().to(device) if extremes else torch.zeros((), device=device)
+        if self._dmuon.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
+        return bad.item() == 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``_reduced_grad`` and ``_accumulated_grad`` of dedicated parameters and the FSDP2 gradients."""
+        for p in self._dmuon.params.values():
+            p._reduced_grad = None
+            p._accumulated_grad = None
+            p.grad = None
+        self._adamw.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        raise RuntimeError(
+            "dmuon.Muon's state is spread over ranks: use dmuon.get_optimizer_state_dict(model, optimizer)"
+        )
+
+    def load_state_dict(self, state_dict):
+        raise RuntimeError(
+            "dmuon.Muon's state is spread over ranks: use dmuon.set_optimizer_state_dict(model, optimizer, state_dict)"
+        )

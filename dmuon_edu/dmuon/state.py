@@ -1,0 +1,200 @@
+"""State dicts in torch.distributed.checkpoint's convention, and clip_grad_norm_.
+
+Keys are parameter names (FQNs), as in torch.distributed.checkpoint.state_dict:
+
+- model: ``{fqn: tensor}``. FSDP2 parameters are DTensor shards (full tensors with
+  ``StateDictOptions(full_state_dict=True)``); dedicated parameters are always full
+  plain tensors on every rank (their owner broadcasts them), i.e. replicated, which
+  torch.distributed.checkpoint saves once.
+- optimizer: ``{"state": {fqn: {...}}, "param_groups": [muon group, adamw group]}``,
+  each group with its hyperparameters and ``"params": [fqn, ...]``. A dedicated
+  matrix's ``momentum_buffer`` is a full tensor keyed by its name, whoever owns it, so
+  a checkpoint does not depend on the world size or the plan: after a resume on a
+  different number of ranks each new owner picks up its matrices' momentum. AdamW's
+  ``exp_avg``/``exp_avg_sq`` are DTensor shards (resharded by DCP), ``step`` a scalar.
+
+Getting a state dict is a collective: every rank must call it, in the same order.
+Holding the full dedicated tensors costs every rank P_M (and P_M of momentum) for as
+long as the state dict lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .dedicate import DMuonState, state_of
+from .optim import Muon
+
+__all__ = [
+    "StateDictOptions",
+    "get_model_state_dict",
+    "set_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "clip_grad_norm_",
+]
+
+
+def _options(options: StateDictOptions | None) -> StateDictOptions:
+    options = options or StateDictOptions()
+    unsupported = [
+        name
+        for name, default in (("broadcast_from_rank0", False), ("flatten_optimizer_state_dict", False),
+                              ("ignore_frozen_params", False), ("keep_submodule_prefixes", True))
+        if getattr(options, name) != default
+    ]
+    if unsupported:
+        raise ValueError(
+            f"dmuon's state dicts do not support StateDictOptions({', '.join(unsupported)}); "
+            "use full_state_dict, cpu_offload and strict (every rank passes the whole state dict)"
+        )
+    return options
+
+
+def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
+    """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (None elsewhere)."""
+    owner = getattr(p, "_dmuon_owner")
+    buffer = value.detach().clone() if owner == state.rank else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    dist.broadcast(buffer, group=state.group, group_src=owner)
+    return buffer
+
+
+def _out(value: torch.Tensor, options: StateDictOptions) -> torch.Tensor:
+    if isinstance(value, DTensor) and options.full_state_dict:
+        value = value.full_tensor()
+    return value.cpu() if options.cpu_offload else value
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """target <- value, where target may be a DTensor shard and value a DTensor or a full tensor."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            if isinstance(value, DTensor):
+                value = value.redistribute(target.device_mesh, target.placements)
+            else:  # a full tensor on every rank: keep this rank's piece, no communication
+                value = distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
+                                          src_data_rank=None)
+            target.to_local().copy_(value.to_local())
+        else:
+            target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+
+
+def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+    options, state = _options(options), state_of(model)
+    result = {}
+    for name, value in model.state_dict().items():
+        if name in state.params:
+            p = state.params[name]
+            value = _full(state, p, p if state.owns(p) else None)
+        result[name] = _out(value, options)
+    return result
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], options: StateDictOptions | None = None):
+    """Load ``model_state_dict`` (sharded or full, any world size's) into the model. Returns missing/unexpected keys."""
+    options, state = _options(options), state_of(model)
+    targets = model.state_dict()
+    missing = [k for k in targets if k not in model_state_dict]
+    unexpected = [k for k in model_state_dict if k not in targets]
+    if options.strict and (missing or unexpected):
+        raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    for name, target in targets.items():
+        if name not in model_state_dict:
+            continue
+        value = model_state_dict[name]
+        if name in state.params:
+            p = state.params[name]
+            if state.owns(p):
+                _copy_into(p, value)
+        else:
+            _copy_into(target, value)
+    state.release_all()  # non-owner copies may be stale now
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: name for name, p in model.named_parameters()}
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDictOptions | None = None) -> dict:
+    options, state = _options(options), state_of(model)
+    _check_optimizer(optimizer, state)
+    names = _names(model)
+    result: dict[str, dict] = {}
+    for name, p in state.params.items():
+        buf = optimizer._muon.state[p]["momentum_buffer"] if state.owns(p) else None
+        result[name] = {"momentum_buffer": _out(_full(state, p, buf), options)}
+    for p in optimizer.adamw_group["params"]:
+        result[names[p]] = {k: _out(v, options) for k, v in optimizer._adamw.state[p].items()}
+    groups = [
+        {**{k: group[k] for k in group if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": result, "param_groups": groups}
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict: dict,
+                             options: StateDictOptions | None = None) -> None:
+    options, state = _options(options), state_of(model)
+    _check_optimizer(optimizer, state)
+    names = _names(model)
+    saved = optim_state_dict["state"]
+    expected = [names[p] for group in optimizer.param_groups for p in group["params"]]
+    missing = [n for n in expected if n not in saved]
+    if missing and options.strict:
+        raise RuntimeError(f"optimizer state dict lacks the state of {missing}")
+    for name, p in state.params.items():
+        if name in saved and state.owns(p):
+            _copy_into(optimizer._muon.state[p]["momentum_buffer"], saved[name]["momentum_buffer"])
+    for p in optimizer.adamw_group["params"]:
+        for key, target in optimizer._adamw.state[p].items():
+            if names[p] in saved:
+                _copy_into(target, saved[names[p]][key])
+    for group, saved_group in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _check_optimizer(optimizer, state: DMuonState) -> None:
+    if not isinstance(optimizer, Muon) or optimizer._dmuon is not state:
+        raise TypeError("pass the dmuon.Muon optimizer that was built for this model")
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so that their global 2-norm is at most ``max_norm``; return the norm before.
+
+    The norm runs over the owners' reduced dedicated gradients and every FSDP2 gradient
+    shard, summed over ranks: the same number as torch.nn.utils.clip_grad_norm_ in one
+    process with the full gradients, and the same scaling (max_norm / (norm + 1e-6),
+    at most 1). Call it after the last backward of the window, outside no_sync.
+    """
+    state = state_of(model)
+    if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
+        raise RuntimeError(
+            "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
+            "which runs outside no_sync"
+        )
+    dedicated = {id(p) for p in state.params.values()}
+    grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
+    replicated = []
+    for p in model.parameters():
+        if id(p) not in dedicated and p.grad is not None:
+            (grads if isinstance(p.grad, DTensor) else replicated).append(p.grad)
+    device = next(iter(state.params.values())).device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares += (g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
+    if state.rank == 0:  # a plain gradient is the same on every rank: count it once
+        for g in replicated:
+            squares += g.float().square().sum()
+    dist.all_reduce(squares, group=state.group)
+    total = squares.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads + replicated:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
+    return total

@@ -1,0 +1,289 @@
+"""Many dmuon checks in one torchrun launch (tests/test_dmuon.py launches it on 2 and 4 ranks).
+
+    torchrun --nproc-per-node=2 tests/dist/dmuon_checks.py CHECKPOINT_DIR
+
+Rank 0 prints one line per check, ``CHECK {json}``, with the measured quantities; the
+test file holds the tolerances and asserts. Every rank builds the same global data
+from a seed and takes its own slice, so rank 0 can train the single-process reference
+locally: a plain copy of the model on the whole global batch, dmuon_edu.muon.Muon
+(float32 Newton-Schulz) on the dedicated matrices and torch.optim.AdamW on the rest.
+"""
+
+import contextlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dmuon_edu import distributed, dmuon, muon
+
+IN, D, H, OUT, LAYERS = 5, 16, 32, 3, 3
+HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original", ns_steps=5)
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+MAX_NORM = 0.5
+DEVICE = ["cpu"]  # the mesh's device: cpu with gloo, cuda with NCCL (set in main)
+K = 3  # micro-batches per optimizer step
+STEPS = 3
+
+
+def predicate(name, p):
+    return "proj" in name and p.ndim == 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.q_proj = nn.Linear(D, D, bias=False)  # q and k: same shape, batched through NS
+        self.k_proj = nn.Linear(D, D, bias=False)
+        self.up_proj = nn.Linear(D, H)  # its bias stays with FSDP2
+        self.down_proj = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + torch.tanh(self.q_proj(h)) * self.k_proj(h)
+        return x + self.down_proj(F.gelu(self.up_proj(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(IN, D)  # 2-D but not selected: AdamW
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(D, OUT)  # 3 rows over 4 ranks: uneven FSDP2 shards
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def report(name, **measured):
+    distributed.print0("CHECK " + json.dumps({"name": name, "nproc": dist.get_world_size(), **measured}))
+
+
+def all_ranks(value):
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def window(step, rank, world):
+    """Micro-batch sizes (unequal across micro-batches and ranks) and this step's global data."""
+    sizes = [[1 + (3 * r + 5 * j + step) % 5 for j in range(K)] for r in range(world)]
+    total = sum(map(sum, sizes))
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(total, IN, generator=g)
+    y = torch.randn(total, OUT, generator=g)
+    offsets = torch.tensor([0] + [s for row in sizes for s in row]).cumsum(0).tolist()
+    device = DEVICE[0]
+    mine = [(x[offsets[rank * K + j]:offsets[rank * K + j + 1]].to(device),
+             y[offsets[rank * K + j]:offsets[rank * K + j + 1]].to(device)) for j in range(K)]
+    return mine, (x, y), total
+
+
+def build(mesh, zero3, seed=0):
+    torch.manual_seed(seed)
+    model = Net().to(mesh.device_type)
+    dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+    return model, opt
+
+
+def schedule(step):
+    return 1.0 / (1.0 + step)
+
+
+def train_window(model, opt, sched, mine, total, use_no_sync):
+    world = dist.get_world_size()
+    for j, (x, y) in enumerate(mine):
+        ctx = dmuon.no_sync(model) if use_no_sync and j < K - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = F.mse_loss(model(x), y, reduction="sum") * world / (total * OUT)
+            loss.backward()
+    norm = dmuon.clip_grad_norm_(model, MAX_NORM)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return norm.item()
+
+
+def dedicated_bytes(model):
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if predicate(n, p))
+
+
+def full_params(model):
+    sd = dmuon.get_model_state_dict(model, dmuon.StateDictOptions(full_state_dict=True))
+    return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
+
+
+def check_equivalence(mesh, zero3, use_no_sync):
+    """Train dmuon and the single-process reference side by side; compare after every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    label = f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}"
+    model, opt = build(mesh, zero3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    torch.manual_seed(0)
+    ref = Net()
+    ref_muon = muon.Muon([p for n, p in ref.named_parameters() if predicate(n, p)], **HYPER, ns_dtype=torch.float32)
+    ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if not predicate(n, p)], **ADAMW)
+    ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (ref_muon, ref_adamw)]
+
+    max_diff, max_norm_rel, clipped, comm, storage = 0.0, 0.0, 0, None, []
+    p_m = dedicated_bytes(ref)
+    for step in range(STEPS):
+        mine, (x, y), total = window(step, rank, world)
+        counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
+        with counter:
+            norm = train_window(model, opt, sched, mine, total, use_no_sync)
+        if step == 1:
+            comm = {"broadcast": counter.bytes.get("broadcast", 0), "reduce": counter.bytes.get("reduce", 0),
+                    "broadcast_calls": counter.calls.get("broadcast", 0), "reduce_calls": counter.calls.get("reduce", 0)}
+        storage.append(_storage_ok(model))
+
+        F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item()
+        for o in (ref_muon, ref_adamw):
+            o.step()
+            o.zero_grad()
+        for s in ref_scheds:
+            s.step()
+        max_norm_rel = max(max_norm_rel, abs(norm - ref_norm) / ref_norm)
+        clipped += ref_norm > MAX_NORM
+        ours = full_params(model)
+        max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
+    report(f"equivalence_{label}", max_abs_diff=max_diff, largest_change=moved, steps=STEPS, k=K,
+           clip_norm_rel_diff=max_norm_rel, clipped_steps=int(clipped))
+    comm_all = all_ranks(comm)
+    report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync)
+    report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in all_ranks(storage)))
+
+
+def _initial_params():
+    torch.manual_seed(0)
+    return [p.detach() for p in Net().parameters()]
+
+
+def _storage_ok(model):
+    """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them."""
+    state, ok = model._dmuon, True
+    for name, p in state.params.items():
+        nbytes = p.untyped_storage().nbytes()
+        ok &= nbytes == (p.numel() * p.element_size() if state.owns(p) else 0)
+    return bool(ok)
+
+
+def check_structure(mesh):
+    world = dist.get_world_size()
+    model, opt = build(mesh, zero3=True)
+    dedicated = {n for n, p in model.named_parameters() if predicate(n, p)}
+    is_dtensor = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    report("fsdp_leaves_dedicated_alone",
+           dedicated_sharded=[n for n in dedicated if is_dtensor[n]],
+           others_not_sharded=[n for n in is_dtensor if n not in dedicated and not is_dtensor[n]],
+           dedicated=len(dedicated))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if predicate(n, p)}
+    everyone = all_ranks(dmuon.ownership(model))
+    report("ownership", same_on_every_rank=all(o == everyone[0] for o in everyone),
+           equals_plan=everyone[0] == dmuon.plan_owners(shapes, world),
+           owners_used=sorted(set(everyone[0].values())))
+
+    # no_sync: local accumulation, no communication of either kind, step refused.
+    (x, y), = window(0, dist.get_rank(), world)[0][:1]
+    with dmuon.count_comm() as counts, dmuon.no_sync(model):
+        model(x).square().mean().backward()
+        try:
+            opt.step()
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+    state = model._dmuon
+    report("no_sync", reduce_calls=counts.calls.get("reduce", 0), reduce_scatter_calls=counts.calls.get("reduce_scatter", 0),
+           all_accumulated=all(p._accumulated_grad is not None for p in state.params.values()),
+           none_reduced=all(p._reduced_grad is None for p in state.params.values()),
+           step_raised=raised)
+
+    # The next backward outside no_sync merges and reduces; zero_grad clears everything.
+    model(x).square().mean().backward()
+    owned = [p for p in state.params.values() if state.owns(p)]
+    merged = all(p._accumulated_grad is None for p in state.params.values()) and all(
+        p._reduced_grad is not None for p in owned)
+    fsdp_grads = any(p.grad is not None for p in model.parameters() if isinstance(p, DTensor))
+    opt.zero_grad()
+    cleared = all(p._reduced_grad is None and p._accumulated_grad is None for p in state.params.values()) and all(
+        p.grad is None for p in model.parameters())
+    report("zero_grad", merged_and_reduced=all(all_ranks(merged)), fsdp_had_grads=fsdp_grads,
+           cleared_every_rank=all(all_ranks(cleared)))
+
+    # Z2 residency: resident from the first forward through the window, released by step().
+    model, opt = build(mesh, zero3=False)
+    state = model._dmuon
+    resident = []
+    with dmuon.no_sync(model):
+        model(x).sum().backward()
+    resident.append(all(p.untyped_storage().nbytes() > 0 for p in state.params.values()))
+    model(x).sum().backward()
+    resident.append(all(p.untyped_storage().nbytes() > 0 for p in state.params.values()))
+    opt.step()
+    opt.zero_grad()
+    report("z2_residency", resident_through_window=all(all(r) for r in all_ranks(resident)),
+           released_by_step=all(all_ranks(_storage_ok(model))))
+
+
+def check_state_dict(mesh, directory):
+    """Save at step 2 (sharded state dicts, torch.distributed.checkpoint), load into a fresh model, continue."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(mesh, zero3=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(2):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+    dcp.save({"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)},
+             checkpoint_id=directory)
+
+    fresh, fresh_opt = build(mesh, zero3=True, seed=123)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+    fresh_sched.load_state_dict(sched.state_dict())
+    loaded = {"model": dmuon.get_model_state_dict(fresh), "optim": dmuon.get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(loaded, checkpoint_id=directory)
+    dmuon.set_model_state_dict(fresh, loaded["model"])
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
+
+    mine, _, total = window(2, rank, world)
+    train_window(model, opt, sched, mine, total, use_no_sync=True)
+    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
+    a, b = full_params(model), full_params(fresh)
+    report("state_dict_roundtrip", max_abs_diff_after_resume=max((a[n] - b[n]).abs().max().item() for n in a),
+           lr_after=[g["lr"] for g in fresh_opt.param_groups], lr_expected=[g["lr"] for g in opt.param_groups])
+
+
+def main():
+    directory = sys.argv[1]
+    with distributed.session() as ranks:
+        mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+        DEVICE[0] = ranks.device
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference runs in true float32 on the CPU
+        check_structure(mesh)
+        for zero3 in (True, False):
+            for use_no_sync in (True, False):
+                check_equivalence(mesh, zero3, use_no_sync)
+        check_state_dict(mesh, directory)
+        distributed.print0("ALL CHECKS RAN")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""dmuon: distributed Muon with dedicated owners, no_sync and Z2/Z3.
+
+Three torchrun launches in all (each costs seconds before any work): the checks script
+on 2 and on 4 ranks, and seed 000's loop on 2 ranks. Each launch runs many checks and
+rank 0 prints one ``CHECK {json}`` line per check; the tests below assert on them.
+Everything else runs in this process, with a one-rank gloo group where it needs one.
+
+Tolerance of the equivalence checks: dmuon on W ranks against one process training on
+the whole global batch (float32 Newton-Schulz on both sides), 3 optimizer steps of
+3 micro-batches of unequal sizes, clipping and an lr schedule included. The two differ
+only in the order of floating-point sums: the AVG reduce and FSDP2's reduce-scatter
+sum per-rank gradients that the reference sums in one backward (relative ~1e-7).
+Newton-Schulz and AdamW's m / sqrt(v) carry that through without amplifying it much.
+Measured on a 2-core x86_64 CPU, torch 2.13.0+cpu: max |difference| of any parameter
+2.7e-7 on 2 ranks and 4.0e-7 on 4 ranks, for parameters that moved by 2.4e-2. The
+tests allow 1e-5, 25 times the measurement and a tenth of the course's 1e-4 bound.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+pytestmark = pytest.mark.torchrun
+
+from dmuon_edu import distributed, dmuon
+from dmuon_edu.dmuon import fsdp_exclusion
+from dmuon_edu.launch import torchrun
+
+DIST = Path(__file__).parent / "dist"
+TOLERANCE = 1e-5
+CONFIGS = ["z3_no_sync", "z3_sync_every_micro_batch", "z2_no_sync", "z2_sync_every_micro_batch"]
+
+
+# ---------------------------------------------------------------------------- launches
+GPUS = torch.cuda.device_count()
+ON_GPUS = pytest.param(min(GPUS, 4), id="gpus_nccl", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs (NCCL, one rank per GPU)")])
+
+
+@pytest.fixture(scope="module", params=[pytest.param(2, id="2ranks"), pytest.param(4, id="4ranks"), ON_GPUS])
+def checks(request, tmp_path_factory):
+    nproc = request.param  # on CPU-only machines gloo ranks; with a GPU per rank, session() picks NCCL
+    result = torchrun(DIST / "dmuon_checks.py", nproc=nproc, args=[tmp_path_factory.mktemp(f"ckpt{nproc}")],
+                      timeout=240, echo=False)
+    lines = [json.loads(line[len("CHECK "):]) for line in result.stdout(0).splitlines() if line.startswith("CHECK ")]
+    assert "ALL CHECKS RAN" in result.stdout(0)
+    return {c["name"]: c for c in lines}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_matches_single_process_full_batch(checks, config):
+    c = checks[f"equivalence_{config}"]
+    assert c["max_abs_diff"] < TOLERANCE, c
+    assert c["largest_change"] > 1000 * TOLERANCE, c  # the comparison is not trivially passed
+    assert c["clip_norm_rel_diff"] < 1e-5 and c["clipped_steps"] > 0, c
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_communication_is_as_designed(checks, config):
+    c = checks[f"comm_{config}"]
+    k, p_m = c["k"], c["dedicated_bytes"]
+    for per_rank in c["per_rank"]:  # every rank counts every call, with the whole tensor's bytes
+        assert per_rank["reduce"] == (p_m if c["no_sync"] else k * p_m), c
+        assert per_rank["broadcast"] == (2 * k * p_m if c["zero3"] else p_m), c
+
+
+def test_no_sync_divides_reduce_bytes_by_k(checks):
+    with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
+    assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_non_owners_hold_no_storage_between_steps(checks, config):
+    assert checks[f"storage_{config}"]["ok_every_step_every_rank"]
+
+
+def test_fully_shard_leaves_dedicated_params_alone(checks):
+    c = checks["fsdp_leaves_dedicated_alone"]
+    assert c["dedicated"] == 12 and c["dedicated_sharded"] == [] and c["others_not_sharded"] == [], c
+
+
+def test_ownership_is_the_plan_on_every_rank(checks):
+    c = checks["ownership"]
+    assert c["same_on_every_rank"] and c["equals_plan"] and c["owners_used"] == list(range(c["nproc"])), c
+
+
+def test_no_sync_communicates_nothing_and_refuses_to_step(checks):
+    c = checks["no_sync"]
+    assert c["reduce_calls"] == 0 and c["reduce_scatter_calls"] == 0, c
+    assert c["all_accumulated"] and c["none_reduced"], c
+    assert c["step_raised"] and "no_sync" in c["step_raised"], c
+
+
+def test_next_backward_merges_and_zero_grad_clears(checks):
+    c = checks["zero_grad"]
+    assert c["merged_and_reduced"] and c["fsdp_had_grads"] and c["cleared_every_rank"], c
+
+
+def test_z2_keeps_params_through_the_window(checks):
+    c = checks["z2_residency"]
+    assert c["resident_through_window"] and c["released_by_step"], c
+
+
+def test_checkpoint_roundtrip_resumes_bit_identically(checks):
+    c = checks["state_dict_roundtrip"]
+    assert c["max_abs_diff_after_resume"] == 0.0 and c["lr_after"] == c["lr_expected"], c
+
+
+def test_seed_000_loop_trains():
+    result = torchrun(DIST / "seed000_loop.py", nproc=2, timeout=180, echo=False)
+    losses = [float(line.rsplit("=", 1)[1]) for line in result.stdout(0).splitlines() if line.startswith("step ")]
+    assert len(losses) == 15, result.stdout(0)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+
+
+# ----------------------------------------------------------------------- plan_owners
+def gpt2_small_shapes():
+    shapes = {}
+    for layer in range(12):
+        shapes[f"h.{layer}.attn.c_attn.weight"] = (768, 2304)
+        shapes[f"h.{layer}.attn.c_proj.weight"] = (768, 768)
+        shapes[f"h.{layer}.mlp.c_fc.weight"] = (768, 3072)
+        shapes[f"h.{layer}.mlp.c_proj.weight"] = (3072, 768)
+    return shapes
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_plan_balances_gpt2_small_by_ns_cost(world_size):
+    shapes = gpt2_small_shapes()
+    owners = dmuon.plan_owners(shapes, world_size)
+    assert list(owners) == list(shapes) and set(owners.values()) == set(range(world_size))
+    assert dmuon.imbalance(owners, shapes, world_size) <= 1.02
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_plan_spreads_a_layers_matrices_over_owners(world_size):
+    owners = dmuon.plan_owners(gpt2_small_shapes(), world_size)
+    for layer in range(12):
+        assert len({r for n, r in owners.items() if n.startswith(f"h.{layer}.")}) == min(4, world_size)
+
+
+def test_plan_weighs_ns_cost_not_size():
+    # 512x2048 costs 4x a 512x512 (not 4x its entries' worth... the same here) while 2048x2048 costs 64x.
+    shapes = {"big": (2048, 2048), "a": (512, 2048), "b": (512, 2048), "c": (2048, 512), "d": (2048, 512)}
+    owners = dmuon.plan_owners(shapes, 2)
+    assert owners["big"] != owners["a"] and len({owners[n] for n in "abcd"}) == 1
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        dmuon.plan_owners({"w": (2, 2)}, 0)
+    with pytest.raises(ValueError, match="2-D"):
+        dmuon.plan_owners({"w": (2, 2, 2)}, 2)
+
+
+# ------------------------------------------------------- in this process, on one rank
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"up_proj": nn.Linear(4, 4), "norm": nn.LayerNorm(4)})
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer["norm"](layer["up_proj"](x))
+        return x
+
+
+def is_proj(name, p):
+    return "proj" in name and p.ndim == 2
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_fsdp_internal_that_dmuon_patches_is_still_there():
+    # If this fails after a torch upgrade, update dmuon_edu/dmuon/fsdp_exclusion.py.
+    fsdp_exclusion.check_compatible()
+
+
+def test_fully_shard_without_ignored_params_skips_dedicated(one_rank):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_proj)
+    fully_shard(model, mesh=one_rank)
+    kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    assert kinds == {n: "up_proj.weight" not in n for n in kinds}
+
+
+def test_count_comm_is_the_package_counter():
+    assert dmuon.count_comm is distributed.count_collectives
+
+
+def test_bad_predicates_raise_value_error(one_rank):
+    with pytest.raises(ValueError, match="only 2-D"):
+        dmuon.dedicate_params(Tiny(), one_rank, lambda n, p: "proj" in n)  # selects the biases too
+    with pytest.raises(ValueError, match="selected no parameter"):
+        dmuon.dedicate_params(Tiny(), one_rank, lambda n, p: False)
+
+
+def test_already_sharded_model_raises_runtime_error(one_rank):
+    model = Tiny()
+    fully_shard(model, mesh=one_rank)
+    with pytest.raises(RuntimeError, match="before fully_shard|first, then fully_shard"):
+        dmuon.dedicate_params(model, one_rank, is_proj)
+
+
+def test_mesh_must_be_one_dimensional(one_rank):
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        dmuon.dedicate_params(Tiny(), init_device_mesh("cpu", (1, 1)), is_proj)
+
+
+def test_dedicating_twice_raises(one_rank):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_proj)
+    with pytest.raises(RuntimeError, match="once"):
+        dmuon.dedicate_params(model, one_rank, is_proj)
+
+
+def test_a_model_without_dedicated_params_is_refused():
+    with pytest.raises(ValueError, match="dedicate_params"):
+        dmuon.Muon(Tiny())
+    with pytest.raises(ValueError, match="dedicate_params"), dmuon.no_sync(Tiny()):
+        pass
+
+
+def test_unsupported_state_dict_options_raise(one_rank):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_proj)
+    with pytest.raises(ValueError, match="broadcast_from_rank0"):
+        dmuon.get_model_state_dict(model, dmuon.StateDictOptions(broadcast_from_rank0=True))
+
+
+def test_optimizer_works_with_lr_scheduler_and_zero_grad(one_rank):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_proj)
+    fully_shard(model, mesh=one_rank)
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    with dmuon.no_sync(model):
+        model(torch.randn(3, 4)).sum().backward()
+    model(torch.randn(3, 4)).sum().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if is_proj(n, p)}
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 5e-4]
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+    opt.zero_grad()
+    assert all(p._reduced_grad is None and p._accumulated_grad is None and p.grad is None
+               for n, p in model.named_parameters() if n in before)
+    with pytest.raises(RuntimeError, match="get_optimizer_state_dict"):
+        opt.state_dict()
