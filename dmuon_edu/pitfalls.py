@@ -217,7 +217,7 @@ class GradOverwritingMuon(torch.optim.Optimizer):
                     raise ValueError(f"Muon takes 2-D matrices only, got shape {tuple(p.shape)}; give it to AdamW")
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self):
         for group in self.param_groups:
             mu = group["momentum"]
             for p in group["params"]:

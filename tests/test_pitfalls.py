@@ -1,0 +1,329 @@
+"""Module 2: the pitfalls do what their names say, the unscaled loss's physics, and the checks.
+
+The loops given to the checks are written the way a learner writes them, not
+taken from dmuon_edu.pitfalls, so that each check is tested against code it
+has never seen.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dmuon_edu import pitfalls, train_step_with_accumulation
+from dmuon_edu.checks import run_check
+from dmuon_edu.compare import max_parameter_difference
+from dmuon_edu.muon import Muon
+
+ACCUM_STEPS = [2, 8, 32]
+
+
+# --- effective_lr_multiplier: the physics -----------------------------------------------------
+
+
+@pytest.mark.parametrize("accum_steps", ACCUM_STEPS)
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_unscaled_loss_multiplies_sgds_learning_rate_by_n(optimizer, accum_steps):
+    # The first SGD update is lr * gradient (momentum's buffer starts as the gradient), and the
+    # unscaled gradient is exactly N times the full-batch one: only float32 summation order
+    # differs (measured 1.2e-7 relative).
+    assert pitfalls.effective_lr_multiplier(optimizer, accum_steps) == pytest.approx(accum_steps, rel=1e-5)
+
+
+@pytest.mark.parametrize("accum_steps", ACCUM_STEPS)
+def test_unscaled_loss_barely_changes_adamw(accum_steps):
+    # AdamW's first update is lr * g / (|g| + eps) per entry: N times g changes it by a relative
+    # (N - 1) eps / (N |g| + eps) < eps / |g|. With eps = 1e-8 and gradient entries mostly above
+    # 1e-5 here that is below 1e-3 (measured 1.4e-5 at N = 32); growing, but never past 1.
+    multiplier = pitfalls.effective_lr_multiplier("adamw", accum_steps)
+    assert 1 <= multiplier < 1 + 1e-3
+
+
+@pytest.mark.parametrize("accum_steps", ACCUM_STEPS)
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_unscaled_loss_barely_changes_muon(accum_steps, ns_dtype):
+    # Newton-Schulz divides by ||U|| + 1e-7 first, so N times U gives the same update up to that
+    # eps and rounding: 1e-5 in float32; in bf16 the rounded inputs can differ in the last bit
+    # (8 bits of mantissa), so 1e-2.
+    tolerance = 1e-5 if ns_dtype == torch.float32 else 1e-2
+    multiplier = pitfalls.effective_lr_multiplier("muon", accum_steps, ns_dtype=ns_dtype)
+    assert multiplier == pytest.approx(1, abs=tolerance)
+
+
+@pytest.mark.parametrize("accum_steps", ACCUM_STEPS)
+@pytest.mark.parametrize("optimizer", pitfalls.OPTIMIZERS)
+def test_scaled_loss_gives_the_full_batch_update(optimizer, accum_steps):
+    # The scaled run is compared with a real full-batch step, so this measures accumulation,
+    # not a number with itself. Float32 summation order: < 1e-5 relative.
+    multiplier = pitfalls.effective_lr_multiplier(optimizer, accum_steps, scale_loss=True, ns_dtype=torch.float32) \
+        if optimizer == "muon" else pitfalls.effective_lr_multiplier(optimizer, accum_steps, scale_loss=True)
+    assert multiplier == pytest.approx(1, rel=1e-5)
+
+
+def test_invariance_breaks_where_the_notebook_says():
+    n = 8
+    # AdamW's eps dominates a small gradient: a large eps makes AdamW behave like SGD.
+    assert pitfalls.effective_lr_multiplier("adamw", n, eps=1.0) > 2
+    # Coupled weight decay (SGD's) is not multiplied by N: the multiplier falls below N.
+    assert 1 < pitfalls.effective_lr_multiplier("sgd", n, weight_decay=10.0) < n - 1
+    # Decoupled weight decay (AdamW's, Muon's) is not part of the gradient: still about 1.
+    assert pitfalls.effective_lr_multiplier("adamw", n, weight_decay=0.5) == pytest.approx(1, abs=1e-3)
+    # Clipping the gradient to a norm both runs exceed hides the bug from SGD entirely.
+    assert pitfalls.effective_lr_multiplier("sgd", n, max_grad_norm=1e-3) == pytest.approx(1, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (("adam", 4), {}, ValueError, "unknown optimizer 'adam'; use one of sgd, momentum, adamw, muon"),
+        ((4, 4), {}, TypeError, "optimizer must be a name"),
+        (("sgd", 0), {}, ValueError, "accum_steps must be an int >= 1"),
+        (("sgd", 2.0), {}, ValueError, "accum_steps must be an int >= 1"),
+        (("sgd", 4), {"eps": 1e-8}, TypeError, "'sgd' does not take the hyperparameters"),
+    ],
+)
+def test_bad_arguments_are_refused(args, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        pitfalls.effective_lr_multiplier(*args, **kwargs)
+
+
+def test_training_curve_with_a_scaled_loss_does_not_depend_on_n():
+    one = pitfalls.training_curve("sgd", 1, scale_loss=True, steps=10)
+    eight = pitfalls.training_curve("sgd", 8, scale_loss=True, steps=10)
+    assert one == pytest.approx(eight, rel=1e-4)
+    assert eight[-1] < eight[0]
+
+
+def test_a_diverging_training_curve_ends_in_nan():
+    losses = pitfalls.training_curve("sgd", 64, scale_loss=False, steps=30, lr=0.5)
+    assert len(losses) == 30 and losses[-1] != losses[-1]
+
+
+# --- the Muon that overwrites p.grad --------------------------------------------------------------
+
+
+def make_matrix_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 2, bias=False))
+
+
+def windows(n_windows=3, n_micro=4):
+    generator = torch.Generator().manual_seed(7)
+    return [[(torch.randn(3, 4, generator=generator), torch.randn(3, 2, generator=generator)) for _ in range(n_micro)]
+            for _ in range(n_windows)]
+
+
+def run(loop, optimizer_class):
+    model = make_matrix_model()
+    optimizer = optimizer_class(model.parameters(), lr=0.02, ns_dtype=torch.float32)
+    for window in windows():
+        loop(model, optimizer, window, F.mse_loss)
+    return model
+
+
+def test_grad_overwriting_muon_equals_muon_with_a_correct_loop():
+    # The EMA buffer is (1 - mu) times Muon's summed buffer; NS removes the factor up to eps.
+    a, b = run(train_step_with_accumulation, pitfalls.GradOverwritingMuon), run(train_step_with_accumulation, Muon)
+    assert max_parameter_difference(a, b) < 1e-5
+
+
+def test_grad_overwriting_muon_writes_the_blend_into_grad():
+    model = make_matrix_model()
+    optimizer = pitfalls.GradOverwritingMuon(model.parameters(), lr=0.02)
+    F.mse_loss(model(torch.randn(5, 4)), torch.randn(5, 2)).backward()
+    gradient = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    # First step: B = (1 - mu) G, blend = G + mu (B - G) = (1 - mu^2) G.
+    for p, g in zip(model.parameters(), gradient):
+        torch.testing.assert_close(p.grad, (1 - 0.95**2) * g)
+
+
+def test_never_zeroing_leaks_the_blend_not_the_gradient():
+    overwriting, clean = run(pitfalls.never_zero_grad, pitfalls.GradOverwritingMuon), run(pitfalls.never_zero_grad, Muon)
+    assert max_parameter_difference(overwriting, clean) > 1e-3
+
+
+def test_grad_overwriting_muon_refuses_vectors():
+    with pytest.raises(ValueError, match="2-D matrices only.*AdamW"):
+        pitfalls.GradOverwritingMuon([torch.nn.Parameter(torch.zeros(3))], lr=0.02)
+
+
+# --- the checks: learner-written loops ---------------------------------------------------------
+
+
+def learner_correct(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        (loss_fn(model(x), y) * (1 / len(microbatches))).backward()
+    optimizer.step()
+
+
+def learner_correct_zero_grad_after_step(model, optimizer, microbatches, loss_fn):
+    for x, y in microbatches:
+        loss = loss_fn(model(x), y)
+        (loss / len(microbatches)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+
+
+def learner_no_scaling(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        loss_fn(model(x), y).backward()
+    optimizer.step()
+
+
+def learner_scales_after_backward(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    total = 0.0
+    for x, y in microbatches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        loss /= len(microbatches)
+        total += loss.item()
+    optimizer.step()
+    return total
+
+
+def learner_zero_grad_in_loop(model, optimizer, microbatches, loss_fn):
+    for x, y in microbatches:
+        model.zero_grad()
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+    optimizer.step()
+
+
+def learner_never_zeroes(model, optimizer, microbatches, loss_fn):
+    for x, y in microbatches:
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+    optimizer.step()
+
+
+def learner_zero_grad_before_step(model, optimizer, microbatches, loss_fn):
+    for x, y in microbatches:
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.step()
+
+
+def learner_steps_every_microbatch(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+        optimizer.step()
+
+
+def learner_never_steps(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+
+
+WINDOW_LOOPS = [
+    (learner_correct, "PASS", "full-batch gradient"),
+    (learner_correct_zero_grad_after_step, "PASS", "full-batch gradient"),
+    (learner_no_scaling, "FAIL", r"N times the full-batch gradient: divide each micro-batch loss by N \*before\*"),
+    (learner_scales_after_backward, "FAIL", "dividing afterwards changes nothing"),
+    (learner_zero_grad_in_loop, "FAIL", "zero_grad\\(\\) runs inside the micro-batch loop"),
+    (learner_never_zeroes, "FAIL", ".grad is never cleared"),
+    (learner_zero_grad_before_step, "FAIL", "zero_grad\\(\\) runs after the backward passes and before the step"),
+    (learner_steps_every_microbatch, "FAIL", "step\\(\\) ran after every micro-batch"),
+    (learner_never_steps, "FAIL", "step\\(\\) was never called"),
+]
+
+
+@pytest.mark.parametrize("candidate, status, hint", WINDOW_LOOPS, ids=lambda x: getattr(x, "__name__", None))
+def test_window_check_names_each_bug(candidate, status, hint):
+    result = run_check("accumulate_window", candidate)
+    assert result.status == status, str(result)
+    assert re.search(hint, result.message), str(result)
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (learner_correct, "PASS", "full-batch gradient"),
+        (learner_no_scaling, "FAIL", "Muon hides it"),
+        (learner_zero_grad_in_loop, "FAIL", "zero_grad\\(\\) runs inside the micro-batch loop"),
+        (learner_never_zeroes, "FAIL", "Nesterov blend.*momentum is counted twice"),
+        (learner_zero_grad_before_step, "FAIL", "zero_grad\\(\\) runs after the backward passes"),
+        (learner_steps_every_microbatch, "FAIL", "next micro-batch added onto the blend"),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_muon_check_names_each_bug_with_what_the_blend_does(candidate, status, hint):
+    result = run_check("muon_accumulate_window", candidate)
+    assert result.status == status, str(result)
+    assert re.search(hint, result.message), str(result)
+
+
+def learner_epoch_correct(model, optimizer, batches, loss_fn, accum_steps):
+    for start in range(0, len(batches), accum_steps):
+        window = batches[start:start + accum_steps]
+        optimizer.zero_grad()
+        for x, y in window:
+            (loss_fn(model(x), y) / len(window)).backward()
+        optimizer.step()
+
+
+def learner_epoch_drops_leftover(model, optimizer, batches, loss_fn, accum_steps):
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(batches):
+        (loss_fn(model(x), y) / accum_steps).backward()
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def learner_epoch_underweights_leftover(model, optimizer, batches, loss_fn, accum_steps):
+    for i, (x, y) in enumerate(batches):
+        if i % accum_steps == 0:
+            optimizer.zero_grad()
+        (loss_fn(model(x), y) / accum_steps).backward()
+        if (i + 1) % accum_steps == 0 or i == len(batches) - 1:
+            optimizer.step()
+
+
+def learner_epoch_zero_grad_every_batch(model, optimizer, batches, loss_fn, accum_steps):
+    for i, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        (loss_fn(model(x), y) / accum_steps).backward()
+        if (i + 1) % accum_steps == 0 or i == len(batches) - 1:
+            optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (learner_epoch_correct, "PASS", "short last one included"),
+        (learner_epoch_drops_leftover, "FAIL", "last, short window was never applied"),
+        (learner_epoch_underweights_leftover, "FAIL", "weight r / accum_steps"),
+        (learner_epoch_zero_grad_every_batch, "FAIL", "differ from the full-batch gradients"),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_epoch_check_names_each_leftover_bug(candidate, status, hint):
+    result = run_check("train_epoch", candidate)
+    assert result.status == status, str(result)
+    assert re.search(hint, result.message), str(result)
+
+
+@pytest.mark.parametrize(
+    "exercise, pitfall",
+    [
+        ("accumulate_window", pitfalls.unscaled_loss),
+        ("accumulate_window", pitfalls.scale_after_backward),
+        ("accumulate_window", pitfalls.zero_grad_inside_loop),
+        ("accumulate_window", pitfalls.never_zero_grad),
+        ("accumulate_window", pitfalls.zero_grad_between_backward_and_step),
+        ("accumulate_window", pitfalls.step_every_microbatch),
+        ("muon_accumulate_window", pitfalls.never_zero_grad),
+        ("muon_accumulate_window", pitfalls.step_every_microbatch),
+        ("train_epoch", pitfalls.drop_leftover_window),
+        ("train_epoch", pitfalls.underweight_leftover_window),
+    ],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_every_named_pitfall_fails_its_check(exercise, pitfall):
+    result = run_check(exercise, pitfall)
+    assert result.status == "FAIL" and "differ from" not in result.message, str(result)
