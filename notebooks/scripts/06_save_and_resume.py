@@ -1,0 +1,97 @@
+"""Module 6, exercise 5: save a dmuon run at a step boundary and resume it in a fresh model.
+
+A dmuon checkpoint holds the model (FSDP2 shards, and every dedicated matrix as a
+full tensor, whoever owns it), each matrix's Muon momentum keyed by the matrix's
+name, and AdamW's state on the shards. Saving goes through
+torch.distributed.checkpoint, with dmuon's state dicts:
+
+    checkpoint.save({"model": dmuon.get_model_state_dict(model),
+                     "optim": dmuon.get_optimizer_state_dict(model, optimizer)}, path)
+
+Resuming builds the same dictionary from a freshly built model and optimizer (a
+fresh dmuon.Muon already holds every state entry, zeros), lets
+``checkpoint.load`` fill it in place, then hands it back with
+``dmuon.set_model_state_dict`` and ``dmuon.set_optimizer_state_dict``. On another
+number of ranks the owners are planned anew and each momentum follows its matrix.
+``checkpoint.save`` writes a COMPLETE marker last; ``checkpoint.load`` refuses a
+checkpoint whose save was cut short.
+
+The script trains one optimizer step, saves, builds a new model with other
+weights, resumes, trains two more steps, and compares every step with the
+single-process reference.
+
+Usage: torchrun --nproc-per-node=2 06_save_and_resume.py [results.json]
+"""
+
+import shutil
+import tempfile
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_edu import checkpoint, distributed, dmuon
+from dmuon_edu.compare import max_parameter_difference
+from dmuon_edu.data_parallel import report
+from dmuon_edu.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, Problem, full_parameters, is_dedicated
+
+
+def resume(model, optimizer, path):
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (freshly built, other weights)."""
+    raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
+
+
+def build(problem, mesh, device, scramble):
+    model = problem.model().to(device)
+    if scramble:  # a fresh run starts from other weights: only the checkpoint can make it continue
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)).to(device))
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+
+
+def train_window(model, optimizer, problem, window, ranks):
+    for i, batch in enumerate(window):
+        x, y = (t.to(ranks.device) for t in problem.local(batch, ranks.rank, ranks.world_size))
+        with dmuon.no_sync(model) if i < len(window) - 1 else nullcontext():
+            (model((x, y)).loss / len(window)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+with distributed.session() as ranks:
+    problem = Problem()
+    mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+    folder = [tempfile.mkdtemp() if ranks.rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)  # every rank saves its shards into the same folder
+    path = f"{folder[0]}/step-1"
+    windows, reference = problem.windows(), problem.baseline()
+
+    model, optimizer = build(problem, mesh, ranks.device, scramble=False)
+    train_window(model, optimizer, problem, windows[0], ranks)
+    differences = [max_parameter_difference(full_parameters(model), reference[0].parameters)]
+    checkpoint.save({"model": dmuon.get_model_state_dict(model),
+                     "optim": dmuon.get_optimizer_state_dict(model, optimizer)}, path)
+    distributed.print0("saved after optimizer step 1; resuming in a new model with other weights")
+
+    model, optimizer = build(problem, mesh, ranks.device, scramble=True)
+    resume(model, optimizer, path)
+    for window, expected in zip(windows[1:], reference[1:]):
+        train_window(model, optimizer, problem, window, ranks)
+        differences.append(max_parameter_difference(full_parameters(model), expected.parameters))
+    report(
+        "06_save_and_resume",
+        differences,
+        {},
+        hint="build the state dict from the fresh model and optimizer, checkpoint.load it in place, then "
+        "dmuon.set_model_state_dict and dmuon.set_optimizer_state_dict (the momentum must come back too)",
+    )
+    dist.barrier()
+    if ranks.rank == 0:
+        shutil.rmtree(folder[0])

@@ -1,0 +1,94 @@
+"""Module 6, exercise 2: owners only (Z3) with dmuon: the set-up, then what each rank holds and sends.
+
+In exercise 1 every rank held every matrix. With dmuon only the owner keeps a Muon
+matrix between optimizer steps; the other ranks free their copies and receive it by
+broadcast just before a layer's forward, free it after, and receive it again for the
+layer's backward (Z3, ``reshard_after_forward=True``, the default). Every other
+parameter is sharded by FSDP2 (fully_shard) and stepped by AdamW on the shards.
+
+The order of the set-up matters: dedicate_params must see the plain model, so that
+the fully_shard calls after it leave the dedicated matrices alone.
+
+This script accumulates without no_sync: every micro-batch's backward reduces each
+gradient to its owner (exercise 3 fixes that).
+
+Usage: torchrun --nproc-per-node=2 06_owners_only.py [results.json]
+"""
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dmuon_edu import distributed, dmuon
+from dmuon_edu.compare import max_parameter_difference
+from dmuon_edu.data_parallel import report
+from dmuon_edu.dmuon_problem import (
+    ADAMW_LR,
+    MUON_HYPERPARAMETERS,
+    Problem,
+    ResidencyProbe,
+    dedicated_parameters,
+    full_parameters,
+    is_dedicated,
+    per_rank,
+)
+
+
+def prepare(model, mesh):
+    """Set the model up for dmuon, in seed 000's order, and return its optimizer.
+
+    Dedicate the matrices that is_dedicated(name, p) selects (Z3 is the default), then
+    fully_shard each of model.layers and the model itself on the mesh, then build
+    dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR).
+    """
+    ### BEGIN SOLUTION
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+    ### END SOLUTION
+
+
+with distributed.session() as ranks:
+    problem = Problem()
+    mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+    model = problem.model().to(ranks.device)
+    dedicated = dedicated_parameters(model)  # taken before fully_shard: plain tensors
+    p_m = sum(p.numel() * p.element_size() for p in dedicated.values())
+    optimizer = prepare(model, mesh)
+    owners = dmuon.ownership(model)
+    probe = ResidencyProbe(model)
+
+    differences, held_between_steps = [], []
+    counts = distributed.count_collectives()
+    for window, expected in zip(problem.windows(), problem.baseline()):
+        with counts:
+            for batch in window:
+                local = tuple(t.to(ranks.device) for t in problem.local(batch, ranks.rank, ranks.world_size))
+                (model(local).loss / len(window)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        held_between_steps.append(probe.held_bytes())
+        differences.append(max_parameter_difference(full_parameters(model), expected.parameters))
+
+    steps = problem.n_windows
+    owned_bytes = sum(p.numel() * p.element_size() for name, p in dedicated.items() if owners[name] == ranks.rank)
+    symmetric_shard_bytes = sum(p.to_local().numel() * p.element_size()
+                                for name, p in model.named_parameters() if name not in dedicated)
+    distributed.print0(f"{len(dedicated)} Muon matrices, P_M = {p_m} bytes, {problem.accum_steps} micro-batches "
+                       f"per optimizer step, no no_sync")
+    report(
+        "06_owners_only",
+        differences,
+        {op: (counts.calls[op] // steps, counts.bytes[op] // steps)
+         for op in ("broadcast", "reduce", "all_gather", "reduce_scatter")},
+        hint="dedicate_params(model, mesh, predicate=is_dedicated) first, then fully_shard each layer and the model",
+        measurements={
+            "P_M": p_m,
+            "owners": owners,
+            "owned bytes": per_rank(owned_bytes),
+            "dedicated bytes held between steps": per_rank(max(held_between_steps)),
+            "dedicated bytes held during a forward, at most": per_rank(probe.peak),
+            "AdamW parameter shard bytes": per_rank(symmetric_shard_bytes),
+        },
+    )

@@ -1,0 +1,105 @@
+"""Module 6: the dmuon exercise scripts against the single-process reference, and their communication.
+
+Launches are the expensive part (~4 s each), so each solution script runs once, on
+2 ranks, and writes its numbers to JSON; the tests below read those numbers. Byte
+counts are exact: count_collectives counts each call's whole tensor on every rank.
+"""
+
+import json
+
+import pytest
+
+from dmuon_edu import course
+from dmuon_edu.data_parallel import ADAMW_TOLERANCE
+from dmuon_edu.dmuon_problem import Problem, dedicated_parameters, seed_batches
+from dmuon_edu.launch import torchrun
+
+pytestmark = pytest.mark.torchrun
+
+MODULE_6 = sorted(course.SOLUTION_SCRIPTS.glob("06_*.py"))
+NPROC = 2
+K = Problem().accum_steps
+P_M = sum(p.numel() * p.element_size() for p in dedicated_parameters(Problem().model()).values())
+MATRICES = len(dedicated_parameters(Problem().model()))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for script in MODULE_6:
+        path = tmp_path_factory.mktemp("results") / f"{script.stem}.json"
+        torchrun(script, nproc=NPROC, args=[path], echo=False, timeout=180)
+        out[script.stem] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("script", [s.stem for s in MODULE_6])
+def test_every_step_equals_the_single_process_reference(results, script):
+    result = results[script]
+    assert result["status"] == "PASS"
+    assert len(result["differences"]) == Problem().n_windows
+    assert max(result["differences"]) < ADAMW_TOLERANCE
+
+
+def test_zero1_by_hand_reduces_and_broadcasts_p_m_once_per_step(results):
+    result = results["06_reduce_broadcast"]
+    assert result["collectives"]["reduce"] == [MATRICES, P_M]
+    assert result["collectives"]["broadcast"] == [MATRICES, P_M]
+    measured = result["measurements"]
+    assert measured["P_M"] == P_M
+    assert measured["dedicated bytes held between steps"] == [P_M] * NPROC  # replicated: everyone holds all
+    assert sum(measured["owned bytes"]) == P_M
+    assert max(measured["gradient differences"]) < ADAMW_TOLERANCE
+
+
+def test_owners_only_holds_owned_bytes_and_one_layer_more(results):
+    result = results["06_owners_only"]
+    assert result["collectives"]["broadcast"][1] == 2 * K * P_M  # Z3, before each forward and each backward
+    assert result["collectives"]["reduce"][1] == K * P_M  # no no_sync: every micro-batch reduces
+    measured = result["measurements"]
+    assert measured["dedicated bytes held between steps"] == measured["owned bytes"]
+    assert sum(measured["owned bytes"]) == P_M
+    one_layer_not_owned = P_M // 3 // NPROC  # each layer's two matrices have different owners
+    assert measured["dedicated bytes held during a forward, at most"] == [
+        owned + one_layer_not_owned for owned in measured["owned bytes"]]
+
+
+def test_the_merge_divides_reduce_bytes_by_k(results):
+    result = results["06_no_sync_merge"]
+    assert result["collectives"]["reduce, no_sync on the first k-1"] == [MATRICES, P_M]
+    assert result["collectives"]["reduce, no no_sync"] == [K * MATRICES, K * P_M]
+    for label in ("no_sync on the first k-1", "no no_sync"):
+        assert max(result["measurements"][f"gradient differences, {label}"]) < ADAMW_TOLERANCE
+
+
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "no_no_sync"])
+def test_z2_z3_bytes_per_optimizer_step(results, zero3, no_sync):
+    result = results["06_z2_z3_training"]
+    config = f"{'Z3' if zero3 else 'Z2'}, {'no_sync' if no_sync else 'no no_sync'}"
+    assert result["collectives"][f"broadcast, {config}"][1] == (2 * K if zero3 else 1) * P_M
+    assert result["collectives"][f"reduce, {config}"][1] == (1 if no_sync else K) * P_M
+    held = result["measurements"]["dedicated bytes held during a forward, at most"][config]
+    # Z3: a rank's own half of P_M, plus the one matrix of the running layer it does not own; Z2: all of P_M.
+    assert held == ([P_M // NPROC + P_M // MATRICES] * NPROC if zero3 else [P_M] * NPROC)
+
+
+def test_seed_000_loop_loss_falls(results):
+    losses = results["06_z2_z3_training"]["measurements"]["seed 000 losses"]
+    assert len(losses) == 15
+    assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+
+
+def test_seed_batches_differ_per_rank_and_repeat_per_call():
+    (x0, y0), = seed_batches(1, rank=0)
+    (x1, _), = seed_batches(1, rank=1)
+    (again, _), = seed_batches(1, rank=0)
+    assert x0.shape == (32, 16) and y0.shape == (32, 4)
+    assert not x0.equal(x1) and x0.equal(again)
+
+
+@pytest.mark.parametrize("script", MODULE_6, ids=lambda p: p.stem)
+def test_learner_scripts_are_real_exercises(script):
+    # One rank suffices to reach the stub, and starts faster than two.
+    status = course.grade_script(course.NOTEBOOKS / "scripts" / script.name, nproc=1)
+    assert status.status == "not attempted", status
