@@ -31,6 +31,7 @@ __all__ = ["torchrun", "LaunchResult", "RankFailedError"]
 
 # torchrun --tee prefixes "[default<local rank>]:"; torch's own excepthook adds "[rank<r>]: " to tracebacks.
 _RANK_LINE = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?(.*)$")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 _ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
 _TERMINATE_GRACE_S = 5
 # gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout".
@@ -137,9 +138,31 @@ def _route(line: str, result: LaunchResult, echo: bool) -> None:
         result.launcher_log.append(line)
         return
     rank, text = int(match.group(1)), match.group(2)
-    result.output.setdefault(rank, []).append(text)
+    lines = result.output.setdefault(rank, [])
+    lines.append(text)
     if echo:
-        print(f"[rank {rank}] {text}", flush=True)
+        for shown in _shown_lines(lines):
+            print(f"[rank {rank}] {shown}", flush=True)
+
+
+def _shown_lines(lines: list[str]) -> list[str]:
+    """What to echo for the newest line: a traceback shrinks to its last frame and its exception.
+
+    Every rank of a failing job prints a traceback; in a notebook a screenful
+    of frames per rank hides the one line that matters. The full text stays
+    in the result and in RankFailedError.output.
+    """
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    if not starts:
+        return [lines[-1]]
+    traceback = lines[starts[-1]:]
+    ends = [i for i, line in enumerate(traceback) if i > 0 and line and not line.startswith(" ")]
+    if not ends:
+        return []  # inside the traceback: wait for the exception line that ends it
+    if ends[0] < len(traceback) - 1:
+        return [lines[-1]]  # the traceback ended earlier; this is ordinary output
+    frames = [line.strip() for line in traceback if line.lstrip().startswith("File ")]
+    return frames[-1:] + [traceback[-1]]
 
 
 def _failed_rank(result: LaunchResult) -> int | None:
@@ -151,13 +174,16 @@ def _failed_rank(result: LaunchResult) -> int | None:
 
 
 def _exception_of(result: LaunchResult, rank: int | None) -> str:
-    """The last line of the rank's last traceback: 'ValueError: ...'."""
+    """The exception line that ends the rank's last traceback: 'ValueError: ...'."""
     lines = result.output.get(rank, []) if rank is not None else []
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     if starts:
-        unindented = [line for line in lines[starts[-1] + 1:] if line and not line.startswith(" ")]
-        if unindented:
-            return unindented[-1]
+        # A rank's stdout and stderr reach torchrun separately, so a print may land
+        # after (or inside) the traceback: look for the line that names an exception.
+        after = [line for line in lines[starts[-1] + 1:] if line and not line.startswith(" ")]
+        named = [line for line in after if _EXCEPTION_LINE.match(line)]
+        if named or after:
+            return (named or after)[0]
     return f"exit code {result.returncode}, no Python traceback (killed by a signal, or out of memory?)"
 
 

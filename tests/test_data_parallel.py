@@ -5,11 +5,11 @@ and writes its numbers to JSON; the tests below read those numbers.
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
+from helpers import processes_running
 import torch
 
 from dmuon_edu import course
@@ -80,18 +80,6 @@ def test_learner_scripts_are_real_exercises(script):
 # --- the launcher ---------------------------------------------------------------------------
 
 
-def _processes_running(script_name):
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if script_name in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return [pid for pid in found if pid != os.getpid()]
-
-
 def test_a_failing_rank_is_named_with_its_exception_quickly_and_nothing_is_left_behind():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
@@ -100,7 +88,7 @@ def test_a_failing_rank_is_named_with_its_exception_quickly_and_nothing_is_left_
     assert failure.value.rank == 1
     assert failure.value.exception == "ValueError: injected failure on rank 1"
     assert "rank 1 failed: ValueError: injected failure on rank 1" in str(failure.value)
-    assert _processes_running("raise_on_rank1.py") == []
+    assert processes_running("raise_on_rank1.py") == []
 
 
 def test_a_hanging_job_is_killed_at_its_timeout():
@@ -108,7 +96,7 @@ def test_a_hanging_job_is_killed_at_its_timeout():
     with pytest.raises(TimeoutError, match="did not finish within 6 s"):
         torchrun(DIST / "hang.py", nproc=2, echo=False, timeout=6)
     assert time.monotonic() - start < 6 + 10  # the timeout, plus the grace given to SIGTERM
-    assert _processes_running("hang.py") == []
+    assert processes_running("hang.py") == []
 
 
 def test_bad_launcher_input_is_refused(tmp_path):
@@ -132,3 +120,20 @@ def test_session_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_a_rank_share_must_divide_evenly():
     with pytest.raises(ValueError, match="does not split evenly"):
         Problem(global_microbatch=6).local((torch.zeros(6), torch.zeros(6)), rank=0, world_size=4)
+
+
+def test_echo_shrinks_a_traceback_to_its_last_frame_and_exception():
+    from dmuon_edu.launch import _shown_lines
+
+    lines, shown = [], []
+    for line in ["hello", "Traceback (most recent call last):", '  File "a.py", line 3, in <module>', "    f()",
+                 '  File "a.py", line 1, in f', "    raise ValueError('boom')", "ValueError: boom", "after"]:
+        lines.append(line)
+        shown += _shown_lines(lines)
+    assert shown == ["hello", 'File "a.py", line 1, in f', "ValueError: boom", "after"]
+
+
+def test_a_failure_after_the_session_still_fails_the_job():
+    # session() ends the process without native teardown (see distributed.py); the status must survive that.
+    with pytest.raises(RankFailedError, match="ValueError: after the session"):
+        torchrun(DIST / "raise_after_session.py", nproc=2, echo=False, timeout=60)

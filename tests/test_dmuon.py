@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import Tiny, is_proj
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -163,29 +164,9 @@ def test_plan_rejects_bad_input():
 
 
 # ------------------------------------------------------- in this process, on one rank
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.ModuleDict({"up_proj": nn.Linear(4, 4), "norm": nn.LayerNorm(4)})
-                                    for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer["norm"](layer["up_proj"](x))
-        return x
-
-
-def is_proj(name, p):
-    return "proj" in name and p.ndim == 2
-
-
 @pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def one_rank(one_rank_mesh):
+    return one_rank_mesh
 
 
 def test_fsdp_internal_that_dmuon_patches_is_still_there():

@@ -1,0 +1,51 @@
+"""A fault injected into rank 1 in the middle of dmuon training (tests/test_reliability.py).
+
+    torchrun --nproc-per-node=2 tests/dist/reliability_faults.py raise|silent STAMP_FILE
+
+- ``raise``: in the second optimizer step, rank 1 raises inside a layer's forward while
+  rank 0 goes on into that layer's broadcast. The job must end quickly, non-zero, and
+  the launcher must name rank 1 and its exception.
+- ``silent``: in the second step rank 1 stops answering (it sleeps instead of joining
+  the broadcast). Rank 0's collective times out after TIMEOUT_S (session(timeout_s=...))
+  and the launcher says so, naming the silent rank.
+
+Just before the fault rank 1 writes time.time() to STAMP_FILE, so that the test can
+measure how long the job takes to end after the fault (not counting start-up).
+"""
+
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from dmuon_edu import distributed
+from reliability_resume import build, train_step
+
+TIMEOUT_S = 5
+FAULT_STEP = 1
+
+
+def main():
+    fault, stamp = sys.argv[1], Path(sys.argv[2])
+    with distributed.session(timeout_s=TIMEOUT_S) as ranks:
+        mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+        model, opt, sched = build(mesh)
+        state = {"step": 0}
+
+        def inject(module, args):
+            if ranks.rank == 1 and state["step"] == FAULT_STEP:
+                stamp.write_text(repr(time.time()))
+                if fault == "raise":
+                    raise ValueError("injected failure on rank 1 in the middle of step 1")
+                time.sleep(600)  # stops answering: never reaches the broadcast rank 0 waits in
+
+        model.layers[1].register_forward_pre_hook(inject, prepend=True)  # before dmuon's broadcast hook
+        for step in range(3):
+            state["step"] = step
+            train_step(model, opt, sched, step)
+            distributed.print0(f"step {step} done")
+
+
+if __name__ == "__main__":
+    main()
