@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints.txt
 INSTALLED := $(VENV)/.installed-$(if $(CONSTRAINTS),pinned,unpinned)
 
-.PHONY: install lab test notebooks solutions check bench clean
+.PHONY: install lab test notebooks solutions check bench gpu-check clean
 
 install: $(INSTALLED)
 
@@ -43,6 +43,17 @@ solutions: install
 ## Grade your work in notebooks/: one row per exercise (NB=01 for one module).
 check: install
 	@$(PY) -m dmuon_edu check $(NB)
+
+## Every benchmark in one run: one markdown table of ratios, printed and written to benchmarks/results.md.
+## CPU rows take under 10 minutes on 2 cores; with CUDA the GPU rows are added.
+bench: install
+	$(PY) benchmarks/run_all.py
+
+## For whoever has a GPU: every CUDA-marked test and the GPU benchmark rows, under 8 minutes on one GPU.
+gpu-check: install
+	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make gpu-check needs a CUDA GPU, and torch " + torch.__version__ + " sees none. On a GPU machine install a CUDA build of torch first: make install CONSTRAINTS= (see the README, GPU check).")'
+	$(PY) -m pytest -q -m cuda tests
+	$(PY) benchmarks/run_all.py --gpu-only --out benchmarks/results-gpu.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

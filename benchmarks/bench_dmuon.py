@@ -151,20 +151,27 @@ def worker():
                            f"{torch.get_num_threads()}")
 
 
-def main():
+def measure(nproc: int) -> list[str]:
+    """The table rows ("| W | what is timed | dmuon ms | replicated ms | ratio |") of one launch on nproc ranks."""
     from dmuon_edu.launch import torchrun
 
+    result = torchrun(__file__, nproc=nproc, timeout=900, echo=False)
+    rows = []
+    for line in result.stdout(0).splitlines():
+        if line.startswith("ROW "):
+            rows.append(line[4:])
+        elif line.startswith("matrices"):
+            print(f"<!-- W={nproc}: {line} -->", file=sys.stderr)
+    return rows
+
+
+def main():
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; {LAYERS} layers of GPT-2-small shapes at d={D}, "
           "bf16 NS, median of slowest-rank times\n")
     print("| W ranks | what is timed | dmuon (ms) | replicated Muon (ms) | ratio dmuon / replicated |")
     print("|---|---|---|---|---|")
     for nproc in (2, 4):
-        result = torchrun(__file__, nproc=nproc, timeout=900, echo=False)
-        for line in result.stdout(0).splitlines():
-            if line.startswith("ROW "):
-                print(line[4:])
-            elif line.startswith("matrices"):
-                print(f"<!-- W={nproc}: {line} -->", file=sys.stderr)
+        print("\n".join(measure(nproc)))
 
 
 if __name__ == "__main__":

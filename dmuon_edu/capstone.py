@@ -1,0 +1,324 @@
+"""Module 7, the capstone: a small GPT on Markov text, trained with AdamW, Muon and dmuon (Z2, Z3).
+
+Every run sees the same global batches: ``steps`` optimizer steps of ``accum_steps``
+micro-batches of ``global_microbatch`` sequences. A single process takes each
+micro-batch whole; on W ranks each rank takes its 1/W share of it, so that one
+optimizer step covers the same tokens either way. The loop is seed 000's: every
+micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (a no-op
+context on one process), each loss divided by ``accum_steps``, then ``step`` and
+``zero_grad``.
+
+The text comes from :class:`dmuon_edu.data.MarkovSource`, whose entropy rate is
+known exactly: no model can average less loss per token, so it is the floor the
+curves approach. The held-out loss is measured on ``eval_sequences`` fresh
+sequences, enough tokens that its sampling error (a few thousandths of a nat) is well below
+the margin.
+
+One process (in a notebook)::
+
+    result = run_single_process(Capstone(), "Muon")
+
+dmuon on 2 ranks, from a notebook (``launch.torchrun(capstone.__file__, args=[...])``)
+or a shell::
+
+    torchrun --nproc-per-node=2 dmuon_edu/capstone.py results.json [--steps N] [--accum-steps K] [--modes Z2 Z3]
+
+Rank 0 writes ``{mode: result}`` to the JSON file: the same fields as
+:func:`run_single_process` returns, plus communication per optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
+
+from dmuon_edu import distributed, dmuon
+from dmuon_edu.accumulation import accumulation_windows
+from dmuon_edu.data import MarkovSource
+from dmuon_edu.dmuon_problem import ResidencyProbe
+from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.memory import peak_memory_bytes
+from dmuon_edu.muon import Muon
+
+__all__ = [
+    "Capstone",
+    "RunResult",
+    "OPTIMIZERS",
+    "MODES",
+    "single_process_optimizers",
+    "train",
+    "evaluate",
+    "learned_transition",
+    "run_single_process",
+    "counted_bytes_per_step",
+    "held_bytes",
+]
+
+OPTIMIZERS = ("AdamW", "Muon")  # in one process; dmuon runs under torchrun
+# dmuon's modes: Z3 (reshard_after_forward=True) or Z2, with seed 000's no_sync or without it.
+MODES = ("Z2", "Z3", "Z2 without no_sync", "Z3 without no_sync")
+
+
+@dataclass(frozen=True)
+class Capstone:
+    """Every setting of the capstone run; the defaults fit about a minute of a 2-core CPU in all."""
+
+    vocab_size: int = 16
+    sharpness: float = 2.0  # of the Markov chain: its entropy rate is 1.67 nats, log(16) = 2.77
+    seq_len: int = 32
+    d_model: int = 32
+    n_layer: int = 2
+    n_head: int = 2
+    steps: int = 120
+    # Two micro-batches per step: under torchrun on CPU each micro-batch costs tens of
+    # milliseconds of FSDP2 and gloo overhead, far more than its arithmetic.
+    accum_steps: int = 2
+    global_microbatch: int = 16  # sequences, split over the ranks
+    eval_sequences: int = 1024
+    muon_lr: float = 0.02
+    adamw_lr: float = 1e-2  # AdamW alone, and AdamW's share of Muon and dmuon (embeddings, norms, biases, head)
+    seed: int = 0
+
+    def source(self) -> MarkovSource:
+        return MarkovSource.random(self.vocab_size, seed=self.seed, sharpness=self.sharpness)
+
+    def floor(self) -> float:
+        """The entropy rate of the text, nats per token: the lowest loss any model can average."""
+        return self.source().entropy_rate()
+
+    def model(self) -> GPT:
+        """The same freshly initialised GPT on every call and every rank."""
+        torch.manual_seed(self.seed)
+        return GPT(GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
+                             n_head=self.n_head, d_model=self.d_model))
+
+    def microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every global micro-batch of the run, in order: ``steps * accum_steps`` (inputs, targets) pairs."""
+        tokens = self.source().sample(self.steps * self.accum_steps * self.global_microbatch, self.seq_len + 1,
+                                      torch.Generator().manual_seed(self.seed + 1))
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.global_microbatch)]
+
+    def held_out(self) -> torch.Tensor:
+        """(eval_sequences, seq_len + 1) tokens the training never sees."""
+        return self.source().sample(self.eval_sequences, self.seq_len + 1, torch.Generator().manual_seed(self.seed + 2))
+
+    def local(self, microbatches, rank: int, world_size: int):
+        """This rank's equal share of each global micro-batch."""
+        if self.global_microbatch % world_size:
+            raise ValueError(f"a global micro-batch of {self.global_microbatch} sequences does not split evenly over "
+                             f"{world_size} ranks; choose a world size that divides it")
+        return [tuple(t.chunk(world_size)[rank] for t in batch) for batch in microbatches]
+
+
+@dataclass
+class RunResult:
+    losses: list[float]  # training loss of each optimizer step (the window's mean over the global batch)
+    held_out_loss: float  # after training, on Capstone.held_out()
+    step_seconds: float  # median wall time of an optimizer step (window + step), first and last excluded
+    peak_bytes: int  # peak memory of the last optimizer step above its start (dmuon: per rank)
+    held_bytes: int  # parameters + optimizer state a rank holds between steps (dmuon: per rank)
+    learned_transition: list[list[float]]  # after training, see learned_transition()
+
+
+def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
+                              predicate: Callable[[str, nn.Parameter], bool] = is_hidden_matrix):
+    """AdamW on everything, or Muon on the matrices ``predicate`` selects and AdamW on the rest."""
+    if name == "AdamW":
+        return [torch.optim.AdamW(model.parameters(), lr=capstone.adamw_lr)]
+    if name != "Muon":
+        raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS} (dmuon runs under torchrun)")
+    matrices = [p for n, p in model.named_parameters() if predicate(n, p)]
+    others = [p for n, p in model.named_parameters() if not predicate(n, p)]
+    return [Muon(matrices, lr=capstone.muon_lr), torch.optim.AdamW(others, lr=capstone.adamw_lr)]
+
+
+def train(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], microbatches, accum_steps: int, *,
+          no_sync: Callable | None = None, progress: bool = False) -> tuple[list[float], list[float], int]:
+    """Seed 000's loop over ``microbatches``; returns (loss per step, seconds per step, peak bytes of the last step).
+
+    ``no_sync(model)`` wraps every micro-batch but the last of a window (dmuon.no_sync;
+    None on one process, where there is nothing to hold back). A step's loss is the
+    mean of its micro-batches' losses.
+    """
+    windows = list(accumulation_windows(microbatches, accum_steps))
+    losses, seconds = [], []
+
+    def optimizer_step(window):
+        start = time.perf_counter()
+        loss_sum = 0.0
+        for i, (inputs, targets) in enumerate(window):
+            is_accumulating = i < len(window) - 1
+            with no_sync(model) if no_sync is not None and is_accumulating else nullcontext():
+                loss = model(inputs, targets).loss / len(window)
+                loss.backward()
+            loss_sum += loss.item()
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        losses.append(loss_sum)
+        seconds.append(time.perf_counter() - start)
+
+    with tqdm(windows[:-1], total=len(windows), desc="optimizer steps", disable=not progress) as bar:
+        for window in bar:
+            optimizer_step(window)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        # The last step under the memory profiler (it slows that step, which the timing skips).
+        peak = peak_memory_bytes(lambda: optimizer_step(windows[-1]))
+        bar.update()
+    return losses, seconds, peak
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens: torch.Tensor, batch: int = 256) -> float:
+    """Mean next-token loss over ``tokens`` (sequences of seq_len + 1)."""
+    total = sum(model(chunk[:, :-1], chunk[:, 1:]).loss.item() * chunk.shape[0] for chunk in tokens.split(batch))
+    return total / tokens.shape[0]
+
+
+@torch.no_grad()
+def learned_transition(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """(V, V): the model's mean predicted next-token distribution after each token, over ``tokens``.
+
+    For a first-order Markov source the best model predicts row ``i`` of the
+    transition matrix after token ``i``, whatever came before: compare with
+    ``source.transition``.
+    """
+    inputs = tokens[:, :-1]
+    probabilities = torch.softmax(model(inputs).logits, dim=-1).flatten(0, 1).double()
+    vocab = probabilities.shape[-1]
+    sums = torch.zeros(vocab, vocab, dtype=torch.float64, device=probabilities.device)
+    sums.index_add_(0, inputs.flatten(), probabilities)
+    return (sums / sums.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()
+
+
+def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Bytes of parameters and optimizer state this rank holds between optimizer steps.
+
+    A parameter counts with its local storage: an FSDP2 shard, a dedicated matrix only
+    on its owner (elsewhere its storage is empty between steps).
+    """
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    for optimizer in optimizers:
+        # dmuon.Muon keeps its state in its two inner optimizers (Muon on owned matrices, AdamW on shards).
+        inner = (optimizer._muon, optimizer._adamw) if isinstance(optimizer, dmuon.Muon) else (optimizer,)
+        for state in (o.state for o in inner):
+            for value in (v for entry in state.values() for v in entry.values()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value.to_local() if isinstance(value, DTensor) else value)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def run_single_process(capstone: Capstone, optimizer: str, predicate=is_hidden_matrix,
+                       progress: bool = True) -> RunResult:
+    """Train ``capstone.model()`` in this process with "AdamW" or "Muon" (matrices chosen by ``predicate``)."""
+    model = capstone.model()
+    optimizers = single_process_optimizers(optimizer, model, capstone, predicate)
+    # One thread, like each torchrun rank: a model this small gains nothing from a second
+    # one, and loses several times its speed when another job keeps the other core busy.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses, seconds, peak = train(model, optimizers, capstone.microbatches(), capstone.accum_steps,
+                                      progress=progress)
+        held_out = capstone.held_out()
+        held_out_loss, learned = evaluate(model, held_out), learned_transition(model, held_out)
+    finally:
+        torch.set_num_threads(threads)
+    return RunResult(losses, held_out_loss, _typical(seconds), peak, held_bytes(model, optimizers), learned.tolist())
+
+
+def counted_bytes_per_step(p_m: int, accum_steps: int, zero3: bool, no_sync: bool) -> dict[str, int]:
+    """dmuon's broadcast and reduce bytes per optimizer step, as count_comm counts them (whole tensor per call).
+
+    Z3 broadcasts before every forward and every backward (2k P_M), Z2 once per step;
+    the reduce runs once per step with no_sync, every micro-batch (k P_M) without.
+    Times (N - 1) / N these are the wire bytes per rank of the published formulas:
+    with k = 1, 3 (N - 1)/N P_M for Z3 and 2 (N - 1)/N P_M for Z2.
+    """
+    k = accum_steps
+    return {"broadcast": (2 * k if zero3 else 1) * p_m, "reduce": (1 if no_sync else k) * p_m}
+
+
+def _typical(seconds: list[float]) -> float:
+    # The first step creates optimizer state and warms caches; the last ran under the profiler.
+    return statistics.median(seconds[1:-1] if len(seconds) > 2 else seconds)
+
+
+def _run_dmuon(capstone: Capstone, mode: str, ranks, mesh) -> dict:
+    zero3, uses_no_sync = mode.startswith("Z3"), "without" not in mode
+    model = capstone.model().to(ranks.device)
+    p_m = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
+    dmuon.dedicate_params(model, mesh, predicate=is_hidden_matrix, reshard_after_forward=zero3)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=capstone.muon_lr, adamw_lr=capstone.adamw_lr)
+    probe = ResidencyProbe(model)
+    microbatches = [tuple(t.to(ranks.device) for t in batch)
+                    for batch in capstone.local(capstone.microbatches(), ranks.rank, ranks.world_size)]
+    with dmuon.count_comm() as counts:
+        local_losses, seconds, peak = train(model, [optimizer], microbatches, capstone.accum_steps,
+                                            no_sync=dmuon.no_sync if uses_no_sync else None)
+    # Each rank's loss is its share's mean; the shares are equal, so the global loss is their mean.
+    losses = torch.tensor(local_losses, dtype=torch.float64, device=ranks.device)
+    dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+    memory = torch.tensor([held_bytes(model, [optimizer]), peak, probe.peak], device=ranks.device)
+    per_rank = [torch.zeros_like(memory) for _ in range(ranks.world_size)]
+    dist.all_gather(per_rank, memory)
+    steps = len(local_losses)
+    held_out = capstone.held_out().to(ranks.device)
+    return {
+        **asdict(RunResult(losses.tolist(), evaluate(model, held_out), _typical(seconds),
+                           max(int(t[1]) for t in per_rank), max(int(t[0]) for t in per_rank),
+                           learned_transition(model, held_out).tolist())),
+        "held_bytes_per_rank": [int(t[0]) for t in per_rank],
+        "peak_bytes_per_rank": [int(t[1]) for t in per_rank],
+        "matrix_bytes_during_forward_per_rank": [int(t[2]) for t in per_rank],
+        "comm_per_step": {op: [counts.calls[op] // steps, counts.bytes[op] // steps] for op in sorted(counts.calls)},
+        "predicted_per_step": counted_bytes_per_step(p_m, capstone.accum_steps, zero3, uses_no_sync),
+        "P_M": p_m,
+        "world_size": ranks.world_size,
+        "backend": ranks.backend,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="The capstone's dmuon runs, on the ranks torchrun starts.")
+    parser.add_argument("results", type=Path, help="JSON file rank 0 writes the results to")
+    parser.add_argument("--steps", type=int, default=Capstone.steps, help="optimizer steps per run")
+    parser.add_argument("--accum-steps", type=int, default=Capstone.accum_steps, help="micro-batches per step")
+    parser.add_argument("--modes", nargs="+", default=["Z2", "Z3"], choices=MODES)
+    args = parser.parse_args(argv)
+
+    capstone = Capstone(steps=args.steps, accum_steps=args.accum_steps)
+    with distributed.session() as ranks:
+        mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+        results = {}
+        for mode in args.modes:
+            result = results[mode] = _run_dmuon(capstone, mode, ranks, mesh)
+            shown = [step for step in range(0, len(result["losses"]), 50)] + [len(result["losses"]) - 1]
+            distributed.print0(f"dmuon {mode} on {ranks.world_size} ranks: loss "
+                               + ", ".join(f"step {s + 1} {result['losses'][s]:.2f}" for s in shown)
+                               + f"; held-out {result['held_out_loss']:.2f}")
+        if dist.get_rank() == 0:
+            args.results.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
