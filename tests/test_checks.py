@@ -265,3 +265,14 @@ def muon_step_not_orthogonalised(W, G, B, lr, momentum=0.95, nesterov=True):
 def test_muon_step_verdicts(candidate, status, hint):
     result = run_check("muon_step", candidate)
     assert result.status == status and hint in result.message, str(result)
+
+
+def test_missing_script_results_give_one_friendly_line(tmp_path):
+    from dmuon_edu.checks import ExerciseNotDone, load_script_results
+
+    with pytest.raises(ExerciseNotDone) as missing:
+        load_script_results(tmp_path / "fsdp2.json")
+    rendered = missing.value._render_traceback_()  # what IPython shows instead of a traceback
+    assert len(rendered) == 1 and "finish the exercise script" in rendered[0]
+    (tmp_path / "fsdp2.json").write_text('{"status": "PASS"}')
+    assert load_script_results(tmp_path / "fsdp2.json") == {"status": "PASS"}

@@ -48,7 +48,7 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     for cell in code_cells:
         assert "execution" not in cell.metadata
-        assert cell.outputs or "NBVAL_IGNORE_OUTPUT" in cell.metadata.get("tags", []) or not _prints(cell), (
+        assert cell.outputs or IGNORE_TAG in cell.metadata.get("tags", []) or not _prints(cell), (
             f"cell without stored output: run `make solutions`:\n{cell.source[:200]}"
         )
     exercises = [i for i, cell in enumerate(code_cells) if course.BEGIN in cell.source]
@@ -62,6 +62,24 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
     for i in exercises:
         following = code_cells[i + 1].source if i + 1 < len(code_cells) else ""
         assert course.CHECK_CALL.search(following), f"exercise cell {i} is not followed by a check cell"
+
+
+# nbval reads NBVAL_IGNORE_OUTPUT as a source comment, or as this cell metadata tag.
+IGNORE_TAG = "nbval-ignore-output"
+
+
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+def test_exactly_the_plot_and_widget_cells_ignore_their_output(path):
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        shows_picture = any("image/png" in output.get("data", {}) for output in cell.outputs)
+        shows_widget = "_widget(" in cell.source
+        tagged = IGNORE_TAG in cell.metadata.get("tags", [])
+        assert tagged == (shows_picture or shows_widget), (
+            f"{path.name}: {'untag' if tagged else 'tag'} this cell (only plot and widget cells ignore "
+            f"their output):\n{cell.source[:200]}"
+        )
 
 
 def _prints(cell):

@@ -17,16 +17,27 @@ module's checkers live in a submodule (``m01_accumulation``, ...).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmuon_edu.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon
+from dmuon_edu.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon, m07_capstone
 from dmuon_edu.launch import RankFailedError, torchrun
 
-__all__ = ["CheckResult", "check", "run_check", "check_script", "run_script_check", "EXERCISES", "RESULT_LINE"]
+__all__ = [
+    "CheckResult",
+    "check",
+    "run_check",
+    "check_script",
+    "run_script_check",
+    "load_script_results",
+    "ExerciseNotDone",
+    "EXERCISES",
+    "RESULT_LINE",
+]
 
 RESULT_LINE = re.compile(r"^(PASS|FAIL|TODO) (\w+): (.*)$")
 
@@ -63,26 +74,47 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
 
 def check_script(path: str | os.PathLike, nproc: int = 2, args: tuple | list = ()) -> None:
     """Run a torchrun exercise script (its ranks' output shown as it arrives) and print its verdict."""
-    result = run_script_check(path, nproc, args, echo=True)
-    if result.status != "PASS":  # a passing script printed its own verdict already
+    result, printed_by_script = _script_verdict(Path(path), nproc, args, echo=True)
+    if not printed_by_script:
         print(result)
 
 
 def run_script_check(path: str | os.PathLike, nproc: int = 2, args: tuple | list = (), echo: bool = False) -> CheckResult:
     """The verdict of a torchrun exercise script: the line its rank 0 prints, or why it printed none."""
-    path = Path(path)
+    return _script_verdict(Path(path), nproc, args, echo)[0]
+
+
+def _script_verdict(path: Path, nproc: int, args, echo: bool) -> tuple[CheckResult, bool]:
     try:
         output = torchrun(path, nproc=nproc, args=args, echo=echo).stdout(0)
     except RankFailedError as error:
         if error.exception.startswith("NotImplementedError"):
-            return CheckResult(path.stem, "TODO", f"not attempted yet: fill in the exercise in {path.name}")
-        return CheckResult(path.stem, "FAIL", f"rank {error.rank} raised {error.exception}")
+            return CheckResult(path.stem, "TODO", f"not attempted yet: fill in the exercise in {path.name}"), False
+        return CheckResult(path.stem, "FAIL", f"rank {error.rank} raised {error.exception}"), False
     for line in reversed(output.splitlines()):
         match = RESULT_LINE.match(line)
         if match:
             status, exercise, message = match.groups()
-            return CheckResult(exercise, status, message)
-    return CheckResult(path.stem, "FAIL", "the script printed no verdict")
+            return CheckResult(exercise, status, message), True
+    return CheckResult(path.stem, "FAIL", "the script printed no verdict"), False
+
+
+class ExerciseNotDone(RuntimeError):
+    """Raised where a cell needs what an unfinished exercise would produce; shown as one line."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: the learner needs the sentence, not the stack.
+        return [f"{type(self).__name__}: {self}"]
+
+
+def load_script_results(path: str | os.PathLike) -> dict:
+    """The JSON results an exercise script wrote, or a one-line ExerciseNotDone if it has not run to the end."""
+    path = Path(path)
+    if not path.exists():
+        raise ExerciseNotDone(
+            f"no results in {path.name} yet: finish the exercise script and run its check cell above first"
+        )
+    return json.loads(path.read_text())
 
 
 # exercise name -> checker(candidate) -> (status, message); one module of checkers per course module.
@@ -91,4 +123,5 @@ EXERCISES: dict[str, Callable[[Callable], tuple[str, str]]] = {
     **m02_pitfalls.EXERCISES,
     **m03_real_loops.EXERCISES,
     **m04_muon.EXERCISES,
+    **m07_capstone.EXERCISES,
 }
