@@ -44,10 +44,13 @@ class Ranks:
 
 @contextlib.contextmanager
 def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
-    """Join torchrun's process group for the duration of the block, then leave it.
+    """Join torchrun's process group for the duration of the block.
 
     The backend follows the hardware: NCCL when CUDA has a GPU for every local
     rank, gloo (CPU) otherwise. Collectives time out after ``timeout_s``.
+    After a clean end of the block the ranks wait for each other, and the
+    process exits without tearing the group down when the script ends (see
+    _exit_without_native_teardown): keep the work inside the block.
     """
     if "RANK" not in os.environ:
         raise RuntimeError(
@@ -63,24 +66,23 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     yield Ranks(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-    # Leave together: a rank that tears down gloo while a peer is still
-    # finishing its last collective can abort that peer. An exception skips
-    # this, so the failing rank exits at once and torchrun stops the others.
+    # Leave together: a rank that exits while a peer is still finishing its
+    # last collective can abort that peer. An exception skips this, so the
+    # failing rank exits at once and torchrun stops the others.
     dist.barrier()
-    dist.destroy_process_group()
-    _skip_native_teardown_at_exit()
+    _exit_without_native_teardown()
 
 
-def _skip_native_teardown_at_exit() -> None:
-    """End the process without destroying what still refers to the process group.
+def _exit_without_native_teardown() -> None:
+    """At the end of the script, end the process without tearing the process group down.
 
-    With torch 2.13 and gloo, objects that outlive destroy_process_group (a
-    device mesh, FSDP2's state) are torn down when the interpreter exits, and
-    now and then that aborts the process ("terminate called without an
-    active exception", SIGABRT) after all its work is done: about one run in
-    ten of the module 6 scripts. So once the session has ended cleanly, the
-    process exits at the end of the script with os._exit, after flushing its
-    output: status 0, or 1 if the script then raised.
+    With torch 2.13 and gloo, tearing down a process group (destroy_process_group,
+    or the interpreter destroying what still refers to it: a device mesh, FSDP2's
+    state) now and then aborts a rank after all its work is done ("terminate
+    called without an active exception", SIGABRT): about one run in ten of the
+    module 6 scripts. Exiting the process releases everything anyway, so once
+    the session has ended cleanly the script's end exits with os._exit, after
+    flushing its output: status 0, or 1 if the script raised afterwards.
     """
     raised = []
     previous_hook = sys.excepthook
@@ -89,13 +91,13 @@ def _skip_native_teardown_at_exit() -> None:
         raised.append(exc_info[0])
         previous_hook(*exc_info)
 
-    def exit_without_teardown():
+    def exit_now():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1 if raised else 0)
 
     sys.excepthook = remember_failure
-    atexit.register(exit_without_teardown)
+    atexit.register(exit_now)
 
 
 def print0(*args, **kwargs) -> None:

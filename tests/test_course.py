@@ -1,5 +1,6 @@
 """One source of truth: learner notebooks are generated from solutions, and graded."""
 
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,11 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     for cell in code_cells:
         assert "execution" not in cell.metadata
+        for output in cell.outputs:
+            text = output.get("text", "") + "".join(output.get("data", {}).get("text/plain", ""))
+            assert output.output_type != "error" and not re.search(
+                r"Traceback|terminate called|^(\[rank \d+\] )?(FAIL|TODO) \w+:", text, flags=re.M
+            ), f"a stored output of {path.name} records a failure: re-run `make solutions NB={path.name[:2]}`:\n{text[:300]}"
         assert cell.outputs or IGNORE_TAG in cell.metadata.get("tags", []) or not _prints(cell), (
             f"cell without stored output: run `make solutions`:\n{cell.source[:200]}"
         )
