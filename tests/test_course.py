@@ -134,7 +134,16 @@ def _exercise_only(tmp_path, answer):
     return path
 
 
-@pytest.mark.parametrize("solution", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+# Modules whose exercises are torchrun scripts (05, 06) are graded through their scripts,
+# which tests launch on their own; their learner notebooks stop, by design, with a
+# one-line ExerciseNotDone where a cell needs an unfinished script's numbers.
+NOTEBOOKS_WITH_CHECK_CELLS = [
+    path for path in SOLUTION_NOTEBOOKS
+    if any(course.CHECK_CALL.search(cell.source) for cell in nbformat.read(path, as_version=4).cells)
+]
+
+
+@pytest.mark.parametrize("solution", NOTEBOOKS_WITH_CHECK_CELLS, ids=lambda p: p.stem)
 def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution):
     exercises = [
         course.CHECK_CALL.search(cell.source).group(1)
