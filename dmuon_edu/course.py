@@ -188,9 +188,9 @@ def format_table(statuses: list[ExerciseStatus]) -> str:
     rows = [("notebook", "exercise", "status")] + [
         (s.notebook, s.exercise, s.status + (f": {s.hint}" if s.hint else "")) for s in statuses
     ]
-    widths = [max(len(row[i]) for row in rows[:]) for i in range(2)]
-    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
-    lines.insert(1, "-" * (widths[0] + widths[1] + 4 + len("not attempted")))
+    notebook_width, exercise_width = (max(len(row[i]) for row in rows) for i in range(2))
+    lines = [f"{a:<{notebook_width}}  {b:<{exercise_width}}  {c}" for a, b, c in rows]
+    lines.insert(1, "-" * (notebook_width + exercise_width + 4 + len("not attempted")))
     done = sum(s.status == "passed" for s in statuses)
     lines.append(f"\n{done} of {len(statuses)} exercises passed")
     return "\n".join(lines)
