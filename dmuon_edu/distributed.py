@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ranks", "session", "print0", "count_collectives", "CollectiveCounts"]
+__all__ = ["Ranks", "session", "leave_together", "print0", "count_collectives", "CollectiveCounts"]
 
 # Every collective wait gives up after this long instead of hanging forever.
 COLLECTIVE_TIMEOUT_S = 60
@@ -66,9 +66,20 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     yield Ranks(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-    # Leave together: a rank that exits while a peer is still finishing its
-    # last collective can abort that peer. An exception skips this, so the
-    # failing rank exits at once and torchrun stops the others.
+    # An exception skips this, so the failing rank exits at once and torchrun stops the others.
+    leave_together()
+
+
+def leave_together() -> None:
+    """Wait for every rank, then let the script end without tearing the process group down.
+
+    ``session()`` calls this when its block ends cleanly. A script that opens its
+    process group itself (as seed 000's loop does) calls it as its last line
+    instead of ``dist.destroy_process_group()``.
+
+    Waiting first matters: a rank that exits while a peer is still finishing its
+    last collective can abort that peer.
+    """
     dist.barrier()
     _exit_without_native_teardown()
 

@@ -32,7 +32,10 @@ __all__ = ["torchrun", "LaunchResult", "RankFailedError"]
 # torchrun --tee prefixes "[default<local rank>]:"; torch's own excepthook adds "[rank<r>]: " to tracebacks.
 _RANK_LINE = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?(.*)$")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
-_ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", re.S)
+# torchrun's failure summary: "Root Cause ... rank : 1 (local_rank: 1) ... exitcode : -6 (pid: 21311)  (SIGABRT)"
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$",
+    re.S | re.M)
 _TERMINATE_GRACE_S = 5
 # gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout".
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|collective operation timeout", re.I)
@@ -165,8 +168,12 @@ def _shown_lines(lines: list[str]) -> list[str]:
     return frames[-1:] + [traceback[-1]]
 
 
+def _root_cause(result: LaunchResult) -> re.Match | None:
+    return _ROOT_CAUSE.search("\n".join(result.launcher_log))
+
+
 def _failed_rank(result: LaunchResult) -> int | None:
-    match = _ROOT_CAUSE_RANK.search("\n".join(result.launcher_log))
+    match = _root_cause(result)
     if match:
         return int(match.group(1))
     with_traceback = [rank for rank, lines in sorted(result.output.items()) if any(l.startswith("Traceback") for l in lines)]
@@ -184,7 +191,14 @@ def _exception_of(result: LaunchResult, rank: int | None) -> str:
         named = [line for line in after if _EXCEPTION_LINE.match(line)]
         if named or after:
             return (named or after)[0]
-    return f"exit code {result.returncode}, no Python traceback (killed by a signal, or out of memory?)"
+    match = _root_cause(result)
+    if match is None:
+        return f"torchrun exited with {result.returncode} and the rank printed no Python traceback"
+    code, signal = match.group(2), match.group(3)
+    if signal:
+        return (f"exit code {code} ({signal}), no Python traceback: it was killed by a signal or aborted in "
+                "native code (SIGKILL often means out of memory)")
+    return f"exit code {code}, no Python traceback: the script called sys.exit or os._exit with it"
 
 
 def _tail(result: LaunchResult, n: int = 20) -> str:

@@ -133,6 +133,26 @@ def test_echo_shrinks_a_traceback_to_its_last_frame_and_exception():
     assert shown == ["hello", 'File "a.py", line 1, in f', "ValueError: boom", "after"]
 
 
+def test_a_rank_that_dies_without_a_traceback_is_named_with_its_own_exit_status():
+    from dmuon_edu.launch import LaunchResult, _exception_of, _failed_rank
+
+    # torchrun's failure summary, as printed when rank 1 called os.abort() (torch 2.13)
+    summary = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_11:23:45
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 21311)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 21311
+======================================================="""
+    aborted = LaunchResult(returncode=1, output={0: ["step 1"], 1: []}, launcher_log=summary.splitlines())
+    assert _failed_rank(aborted) == 1
+    assert _exception_of(aborted, 1).startswith("exit code -6 (SIGABRT), no Python traceback")
+    exited = LaunchResult(returncode=1, launcher_log=summary.replace("-6 (pid: 21311)  (SIGABRT)", "3 (pid: 2)").splitlines())
+    assert _exception_of(exited, 1).startswith("exit code 3, no Python traceback: the script called sys.exit")
+
+
 def test_a_failure_after_the_session_still_fails_the_job():
     # session() ends the process without native teardown (see distributed.py); the status must survive that.
     with pytest.raises(RankFailedError, match="ValueError: after the session"):

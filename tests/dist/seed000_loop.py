@@ -102,4 +102,8 @@ for i, batch in enumerate(dataloader):
             print(f"step {global_step}: loss={loss.item() * accum_steps:.4f}")
 # --- SEED END --------------------------------------------------------------------
 
-dist.destroy_process_group()
+# Not in the seed: end as every course script does; destroy_process_group() now and
+# then aborts a gloo rank after its work is done (see dmuon_edu.distributed).
+from dmuon_edu.distributed import leave_together
+
+leave_together()
