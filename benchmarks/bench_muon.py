@@ -112,7 +112,7 @@ def ns_times(shape):
     per_step = [JORDAN] * 5
     variants = {
         "ours, one matrix at a time (the CPU path)": lambda: newton_schulz(G),
-        "ours, batched torch.baddbmm (the GPU path)": lambda: _iterate(_normalise(G, 1e-7, torch.bfloat16), per_step),
+        "ours, batched torch.baddbmm (the GPU path)": lambda: _iterate(_normalise(G, 1e-7, torch.bfloat16, torch.empty_like(G)), per_step),
         "torch, one matrix at a time": lambda: [torch.optim._muon._zeropower_via_newtonschulz(g, JORDAN, 5, 1e-7) for g in G],
     }
     for fn in variants.values():

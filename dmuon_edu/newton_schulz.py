@@ -126,12 +126,13 @@ def newton_schulz(
     coefficients: str | Coefficients | Sequence[Coefficients] = "jordan",
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
+    overwrite_input: bool = False,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Approximately orthogonalise G: one matrix (m, n), or a batch of same-shape matrices.
 
     Args:
         G: a matrix (m, n), or a batch: a (batch, m, n) tensor or a list of (m, n)
-            matrices. Not modified.
+            matrices. Not modified, unless ``overwrite_input``.
         steps: how many Newton-Schulz steps (>= 1).
         coefficients: a name in COEFFICIENTS, one (a, b, c) tuple used for every step,
             or a sequence of tuples, one per step. When ``steps`` exceeds the number of
@@ -140,6 +141,9 @@ def newton_schulz(
         eps: added to the Frobenius norm so that a zero matrix maps to zero.
         dtype: precision of the matrix products (bf16 as in every peer; float32
             or float64 for reference computations).
+        overwrite_input: let G be normalised in place, which saves a temporary the size
+            of one matrix (as scipy.linalg's ``overwrite_a``). Muon passes its own
+            scratch tensor this way.
 
     Returns:
         In ``dtype``: a tensor of G's shape, or a list of matrices for a list.
@@ -149,20 +153,21 @@ def newton_schulz(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     per_step = _per_step_coefficients(coefficients, steps)
-    if isinstance(G, torch.Tensor) and G.ndim != 3:
-        _check_matrices([G])
-        return _iterate(_normalise(G, eps, dtype), per_step)
-
-    matrices = list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
+    if not isinstance(overwrite_input, bool):
+        raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
+    single = isinstance(G, torch.Tensor) and G.ndim != 3
+    matrices = [G] if single else list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
     _check_matrices(matrices)
     if matrices[0].device.type == "cpu":
         # On CPU one torch.addmm per matrix beats torch.baddbmm over the batch by 10-25%
         # (measured, bf16), and per-matrix temporaries stay small enough for the
         # allocator to reuse (a fresh 32 MB tensor costs ~6 ms in page faults here).
-        O = [_iterate(_normalise(g, eps, dtype), per_step) for g in matrices]
-        return torch.stack(O) if isinstance(G, torch.Tensor) else O
+        shared = None if overwrite_input else torch.empty_like(matrices[0])
+        O = [_iterate(_normalise(g, eps, dtype, g if overwrite_input else shared), per_step) for g in matrices]
+        return O[0] if single else torch.stack(O) if isinstance(G, torch.Tensor) else O
     batch = G if isinstance(G, torch.Tensor) else torch.stack(matrices)
-    O = _iterate(_normalise(batch, eps, dtype), per_step)
+    in_place = overwrite_input or batch is not G  # a stacked copy is ours to overwrite
+    O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step)
     return O if isinstance(G, torch.Tensor) else list(O)
 
 
@@ -231,10 +236,16 @@ def _is_triple(x) -> bool:
     )
 
 
-def _normalise(X: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """X / (||X||_F + eps) per matrix, computed in X's precision, rounded to dtype once."""
+def _normalise(X: torch.Tensor, eps: float, dtype: torch.dtype, scratch: torch.Tensor) -> torch.Tensor:
+    """X / (||X||_F + eps) per matrix, computed in X's precision in ``scratch``, rounded to dtype once.
+
+    ``scratch`` has X's shape and dtype, and may be X itself. Dividing straight into a
+    ``dtype`` tensor would make torch allocate a hidden temporary in X's precision at
+    every call, and on CPU each fresh megabyte costs page faults (a 512 x 512 float32
+    matrix: about 0.2 ms, 4% of its Muon step).
+    """
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    return torch.div(X, norm + eps, out=torch.empty_like(X, dtype=dtype))
+    return torch.div(X, norm + eps, out=scratch).to(dtype)
 
 
 def _addmm(input, mat1, mat2, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor:

@@ -109,6 +109,8 @@ CASES = [
     ("newton_schulz/3_steps_float", lambda: newton_schulz(torch.randn(3, 3), steps=2.5), TypeError, "steps must be an int"),
     ("newton_schulz/vector", lambda: newton_schulz(torch.randn(3)), ValueError, "reshape to 2-D first"),
     ("newton_schulz/empty_batch", lambda: newton_schulz([]), ValueError, "pass at least one matrix"),
+    ("newton_schulz/overwrite_input_not_bool", lambda: newton_schulz(torch.randn(3, 3), overwrite_input="yes"),
+     TypeError, "overwrite_input must be True or False"),
     ("newton_schulz/integer_matrix", lambda: newton_schulz(torch.ones(3, 3, dtype=torch.long)), TypeError,
      "floating-point torch.Tensors"),
     # data

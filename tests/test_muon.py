@@ -135,17 +135,30 @@ def test_grad_is_not_modified():
         assert torch.equal(p.grad, g)  # Keller Jordan's version leaves the Nesterov blend here
 
 
-def test_same_shapes_share_one_batched_newton_schulz_call(monkeypatch):
-    batches, newton_schulz = [], muon_module.newton_schulz
+def _newton_schulz_calls(monkeypatch, W0s, grads, **hyper):
+    calls, newton_schulz = [], muon_module.newton_schulz
 
     def spy(G, **kwargs):
-        batches.append(len(G))
+        calls.append(len(G) if isinstance(G, list) else 1)
         return newton_schulz(G, **kwargs)
 
-    W0s, grads = random([(8, 8), (8, 16), (8, 8), (8, 8), (8, 16)], steps=1)
     monkeypatch.setattr(muon_module, "newton_schulz", spy)
-    run(Muon, W0s, grads, lr=0.02)
-    assert sorted(batches) == [2, 3]
+    final, _ = run(Muon, W0s, grads, lr=0.02, **hyper)
+    monkeypatch.undo()
+    return calls, final
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_cuda_batches_same_shapes_and_cpu_goes_one_matrix_at_a_time_with_equal_results(monkeypatch, nesterov):
+    W0s, grads = random([(8, 8), (8, 16), (8, 8), (8, 8), (8, 16)], steps=3, seed=4)
+    one_at_a_time, per_matrix = _newton_schulz_calls(monkeypatch, W0s, grads, nesterov=nesterov)
+    assert one_at_a_time == [1] * 15
+    # CI has no GPU: run the batched (CUDA) branch on CPU tensors.
+    monkeypatch.setattr(muon_module, "ONE_MATRIX_AT_A_TIME", frozenset())
+    batched, together = _newton_schulz_calls(monkeypatch, W0s, grads, nesterov=nesterov)
+    assert batched == [3, 2] * 3  # per step: the three 8 x 8, then the two 8 x 16
+    for a, b in zip(per_matrix, together):
+        assert torch.equal(a, b)
 
 
 def test_grouping_by_shape_does_not_change_the_result():

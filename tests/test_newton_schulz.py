@@ -162,7 +162,7 @@ def test_the_batched_gpu_path_matches_one_matrix_at_a_time(shape):
     # GPUs take the whole batch through torch.baddbmm; CPUs go one matrix at a time.
     # CI has no GPU, so run the batched path's helpers on CPU here.
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(10))
-    batched = _iterate(_normalise(G, 1e-7, torch.float32), list(JORDAN) * 5)
+    batched = _iterate(_normalise(G, 1e-7, torch.float32, torch.empty_like(G)), list(JORDAN) * 5)
     for g, b in zip(G, batched):
         assert relative_error(b, reference(g, JORDAN * 5)) < FP32_RTOL
 
@@ -177,11 +177,19 @@ def test_zero_matrix_maps_to_zero():
     assert torch.equal(newton_schulz(torch.zeros(8, 16)), torch.zeros(8, 16, dtype=torch.bfloat16))
 
 
-def test_input_is_not_modified():
-    G = torch.randn(16, 48)
-    before = G.clone()
-    newton_schulz(G)
-    assert torch.equal(G, before)
+@pytest.mark.parametrize("G", [torch.randn(16, 48), torch.randn(3, 16, 48), list(torch.randn(3, 16, 48))],
+                         ids=["matrix", "batch", "list"])
+def test_input_is_not_modified_unless_overwrite_input(G):
+    def matrices(x):
+        return [x] if isinstance(x, torch.Tensor) and x.ndim == 2 else list(x)
+
+    before = [g.clone() for g in matrices(G)]
+    kept = newton_schulz(G)
+    assert all(torch.equal(g, b) for g, b in zip(matrices(G), before))
+    overwritten = newton_schulz(G, overwrite_input=True)
+    assert all(torch.equal(o, k) for o, k in zip(matrices(overwritten), matrices(kept)))
+    for g, b in zip(matrices(G), before):  # now G / ||G||_F, per matrix (the bf16 rounding comes after)
+        assert torch.allclose(g, b / torch.linalg.vector_norm(b), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
