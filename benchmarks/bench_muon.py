@@ -24,13 +24,14 @@ from dmuon_edu.muon import Muon
 from dmuon_edu.newton_schulz import _iterate, _normalise, newton_schulz
 
 SHAPES = {
+    "small 128x128": (128, 128),
     "square 512x512": (512, 512),
     "4:1 512x2048": (512, 2048),
     "1:4 2048x512 (tall)": (2048, 512),
 }
 MATRICES = 8
 MATRICES_FOR_ERROR = 2  # the float64 reference is the slow part
-REPEATS = 15
+REPEATS = 30  # fewer let the square rows' ratio wander by +-0.05 between runs here
 HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
 JORDAN = (3.4445, -4.7750, 2.0315)
 
@@ -111,16 +112,17 @@ def ns_times(shape):
     G = torch.randn(MATRICES, *shape)
     per_step = [JORDAN] * 5
     variants = {
-        "ours, one matrix at a time (the CPU path)": lambda: newton_schulz(G),
-        "ours, batched torch.baddbmm (the GPU path)": lambda: _iterate(_normalise(G, 1e-7, torch.bfloat16, torch.empty_like(G)), per_step),
+        "ours, one matrix at a time": lambda: [newton_schulz(g) for g in G],
+        "ours, batched torch.baddbmm": lambda: _iterate(_normalise(G, 1e-7, torch.bfloat16, torch.empty_like(G)), per_step),
         "torch, one matrix at a time": lambda: [torch.optim._muon._zeropower_via_newtonschulz(g, JORDAN, 5, 1e-7) for g in G],
     }
     for fn in variants.values():
         fn()
     samples = {name: [] for name in variants}
-    for _ in range(5):
-        for name, fn in variants.items():
-            samples[name].append(timed(fn))
+    names = list(variants)
+    for r in range(REPEATS):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each goes first in turn
+            samples[name].append(timed(variants[name]))
     m, n = sorted(shape)
     flops = MATRICES * 5 * (4 * m * m * n + 2 * m**3)  # direct NS5
     return {name: (statistics.median(s), flops / statistics.median(s) / 1e9) for name, s in samples.items()}

@@ -21,16 +21,13 @@ belongs to AdamW: ``muon_param_groups(model)`` splits a model that way.
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from functools import partial
 
 import torch
 from torch import nn
 
-from .newton_schulz import newton_schulz
-
-# Device types whose Muon step orthogonalises one matrix at a time (see Muon._step_same_shape);
-# elsewhere (CUDA) the updates of same-shape matrices go through one batched newton_schulz call.
-ONE_MATRIX_AT_A_TIME = frozenset({"cpu"})
+from .newton_schulz import batching_pays, newton_schulz
 
 ADJUST_LR_FNS = {
     "original": lambda m, n: math.sqrt(max(1.0, m / n)),
@@ -63,10 +60,10 @@ class Muon(torch.optim.Optimizer):
       torch keeps an exponential moving average, ``buf.lerp_(g, 1 - mu)``, which is
       (1 - mu) times the buffer B above, so its U is (1 - mu) times this U. NS
       divides U by its norm first, so the constant factor drops out (up to eps).
-    - On CUDA, parameters of the same shape are orthogonalised together, in one
-      batched newton_schulz call on their updates. On CPU, where batching brings
-      nothing, one matrix at a time through one scratch tensor, which keeps memory
-      warm (see ONE_MATRIX_AT_A_TIME).
+    - Parameters of the same shape are orthogonalised together, in one batched
+      newton_schulz call on their updates, on GPUs and for small matrices on CPU.
+      Large matrices on CPU go one at a time through one scratch tensor, which is
+      faster there (see newton_schulz.batching_pays).
     - A gradient holding NaN or Inf (or so large that its sum overflows) never
       reaches the weights: that parameter's step
       is skipped (weights and momentum buffer unchanged) with a RuntimeWarning that
@@ -128,25 +125,28 @@ class Muon(torch.optim.Optimizer):
 
         for group in self.param_groups:
             same_shape = defaultdict(list)
-            for p in _with_finite_grads([p for p in group["params"] if p.grad is not None]):
-                same_shape[(p.shape, p.device)].append(p)
+            for p in group["params"]:
+                if p.grad is not None:
+                    same_shape[(p.shape, p.device)].append(p)
             for params in same_shape.values():
                 self._step_same_shape(params, group)
         return loss
 
     def _step_same_shape(self, params: list[torch.Tensor], group: dict) -> None:
         orthogonalise = partial(newton_schulz, steps=group["ns_steps"], dtype=group["ns_dtype"])
-        if params[0].device.type in ONE_MATRIX_AT_A_TIME:
-            # As torch.optim.Muon does on CPU: each update is formed in one scratch tensor,
-            # orthogonalised and applied before the next, so memory stays warm. Forming
-            # them all first costs a fresh megabyte per 512 x 512 matrix, in page faults:
-            # 4% of the step (benchmarks/README.md).
+        if not batching_pays(params[0]):
+            # Large matrices on CPU, as torch.optim.Muon does: each gradient is checked,
+            # turned into an update in one scratch tensor, orthogonalised and applied before
+            # the next, so memory stays warm. Forming all updates first costs a fresh
+            # megabyte per 512 x 512 matrix in page faults (benchmarks/README.md).
             scratch = torch.empty_like(params[0])
-            for p in params:
+            for p in _with_finite_grads(params, one_at_a_time=True):
                 self._apply(p, orthogonalise(self._update(p, group, out=scratch), overwrite_input=True), group)
             return
-        for p, o in zip(params, orthogonalise([self._update(p, group) for p in params])):
-            self._apply(p, o, group)
+        params = list(_with_finite_grads(params))
+        if params:
+            for p, o in zip(params, orthogonalise([self._update(p, group) for p in params])):
+                self._apply(p, o, group)
 
     def _update(self, p: torch.Tensor, group: dict, out: torch.Tensor | None = None) -> torch.Tensor:
         """B <- mu B + G; return U = G + mu B (Nesterov) or B, in ``out`` when given."""
@@ -168,24 +168,29 @@ class Muon(torch.optim.Optimizer):
         p.add_(o, alpha=-lr * ADJUST_LR_FNS[group["adjust_lr_fn"]](*p.shape))
 
 
-def _with_finite_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters whose gradient is finite; a warning for each of the others."""
-    if not params:
-        return []
-    # NaN and Inf propagate through a sum, which costs a thirtieth of isfinite(g).all()
-    # on CPU. A finite gradient whose sum overflows is caught too: its norm would
-    # overflow in Newton-Schulz and silently zero the update. One host sync in all.
-    finite = torch.stack([p.grad.sum() for p in params]).isfinite().tolist()
+def _with_finite_grads(params: list[torch.Tensor], one_at_a_time: bool = False) -> Iterator[torch.Tensor]:
+    """The parameters whose gradient is finite; a warning for each of the others.
+
+    NaN and Inf propagate through a sum, which costs a thirtieth of isfinite(g).all()
+    on CPU. A finite gradient whose sum overflows is caught too: its norm would overflow
+    in Newton-Schulz and silently zero the update. ``one_at_a_time`` checks each gradient
+    just before it is used, while it is in cache; otherwise one host sync for the list.
+    """
+    if one_at_a_time:
+        finite = (bool(p.grad.sum().isfinite()) for p in params)  # lazily: each just before its use
+    else:
+        finite = torch.stack([p.grad.sum() for p in params]).isfinite().tolist()
     for p, ok in zip(params, finite):
-        if not ok:
+        if ok:
+            yield p
+        else:
             warnings.warn(
                 f"Muon skipped the step of a parameter of shape {tuple(p.shape)}: its gradient "
                 "holds NaN or Inf (or overflows when summed). Its weights and momentum are "
                 "unchanged. Look for the cause "
-                "(a too-large learning rate, an overflow in fp16, a bad batch).",
+                "(a too-large learning rate, an fp16 overflow, a bad batch).",
                 RuntimeWarning,
             )
-    return [p for p, ok in zip(params, finite) if ok]
 
 
 def _check_hyperparameters(h: dict) -> None:

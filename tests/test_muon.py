@@ -135,7 +135,7 @@ def test_grad_is_not_modified():
         assert torch.equal(p.grad, g)  # Keller Jordan's version leaves the Nesterov blend here
 
 
-def _newton_schulz_calls(monkeypatch, W0s, grads, **hyper):
+def _newton_schulz_calls(monkeypatch, W0s, grads, batched, **hyper):
     calls, newton_schulz = [], muon_module.newton_schulz
 
     def spy(G, **kwargs):
@@ -143,22 +143,27 @@ def _newton_schulz_calls(monkeypatch, W0s, grads, **hyper):
         return newton_schulz(G, **kwargs)
 
     monkeypatch.setattr(muon_module, "newton_schulz", spy)
+    monkeypatch.setattr(muon_module, "batching_pays", lambda matrix: batched)
     final, _ = run(Muon, W0s, grads, lr=0.02, **hyper)
     monkeypatch.undo()
     return calls, final
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_cuda_batches_same_shapes_and_cpu_goes_one_matrix_at_a_time_with_equal_results(monkeypatch, nesterov):
+def test_same_shapes_are_batched_or_go_one_at_a_time_with_equal_results(monkeypatch, nesterov):
     W0s, grads = random([(8, 8), (8, 16), (8, 8), (8, 8), (8, 16)], steps=3, seed=4)
-    one_at_a_time, per_matrix = _newton_schulz_calls(monkeypatch, W0s, grads, nesterov=nesterov)
+    one_at_a_time, one_by_one = _newton_schulz_calls(monkeypatch, W0s, grads, batched=False, nesterov=nesterov)
     assert one_at_a_time == [1] * 15
-    # CI has no GPU: run the batched (CUDA) branch on CPU tensors.
-    monkeypatch.setattr(muon_module, "ONE_MATRIX_AT_A_TIME", frozenset())
-    batched, together = _newton_schulz_calls(monkeypatch, W0s, grads, nesterov=nesterov)
+    batched, together = _newton_schulz_calls(monkeypatch, W0s, grads, batched=True, nesterov=nesterov)
     assert batched == [3, 2] * 3  # per step: the three 8 x 8, then the two 8 x 16
-    for a, b in zip(per_matrix, together):
+    for a, b in zip(one_by_one, together):
         assert torch.equal(a, b)
+
+
+def test_batching_pays_for_small_matrices_on_cpu_only():
+    assert muon_module.batching_pays(torch.empty(64, 64)) and muon_module.batching_pays(torch.empty(128, 512))
+    assert not muon_module.batching_pays(torch.empty(256, 257))
+    assert not muon_module.batching_pays(torch.empty(2048, 512))
 
 
 def test_grouping_by_shape_does_not_change_the_result():
@@ -202,8 +207,10 @@ def test_lr_scheduler_sets_each_steps_lr():
     assert relative_error(p, W0s[0], expected) < FP32_RTOL
 
 
+@pytest.mark.parametrize("path", ["one matrix at a time", "batched"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 3e38])
-def test_non_finite_gradient_skips_that_parameter_and_warns(bad):
+def test_non_finite_gradient_skips_that_parameter_and_warns(bad, path, monkeypatch):
+    monkeypatch.setattr(muon_module, "batching_pays", lambda matrix: path.startswith("batched"))
     W0s, grads = random([(8, 16), (8, 16), (12, 4)], steps=2, seed=8)
     params, opt = run(Muon, W0s, grads[:1], lr=0.02)
     before = [p.detach().clone() for p in params]
