@@ -94,6 +94,8 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
         )
         _check_hyperparameters(defaults)
+        if isinstance(params, set):
+            raise TypeError("params must be a list, not a set: state_dict relies on their order")
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:

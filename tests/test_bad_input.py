@@ -104,6 +104,8 @@ CASES = [
      "0.95 is the usual value"),
     ("muon/unknown_adjust_lr_fn", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, adjust_lr_fn="moon"),
      ValueError, "use one of"),
+    ("muon/params_a_set", lambda: muon.Muon({nn.Parameter(torch.zeros(3, 3))}, lr=0.02), TypeError,
+     "must be a list, not a set"),
     ("muon/param_group_params_a_set", lambda: muon.Muon([{"params": {nn.Parameter(torch.zeros(3, 3))}}], lr=0.02),
      TypeError, "must be a list, not a set"),
     ("newton_schulz/3_steps_float", lambda: newton_schulz(torch.randn(3, 3), steps=2.5), TypeError, "steps must be an int"),

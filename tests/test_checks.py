@@ -105,6 +105,16 @@ def test_check_prints_one_parseable_line(capsys):
     assert RESULT_LINE.match(line).groups()[:2] == ("FAIL", "train_step_with_accumulation")
 
 
+def test_a_multi_line_exception_still_makes_one_verdict_line(capsys):
+    def learner_raises_shape_error(model, optimizer, microbatches, loss_fn):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\n(4x8 and 16x4)\nsee above")
+
+    check("train_step_with_accumulation", learner_raises_shape_error)
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line
+    assert line == "FAIL train_step_with_accumulation: your function raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+
+
 def test_unknown_exercise_and_non_callable_are_refused():
     with pytest.raises(ValueError, match="known exercises"):
         run_check("no_such_exercise", learner_correct)

@@ -68,7 +68,8 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
     except NotImplementedError:
         status, message = "TODO", "not attempted yet: replace the `raise NotImplementedError(...)` line with your code"
     except Exception as error:  # the learner's code may fail in any way; report it, do not crash the notebook
-        status, message = "FAIL", f"your function raised {type(error).__name__}: {error}"
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        status, message = "FAIL", f"your function raised {type(error).__name__}: {first_line}"
     return CheckResult(exercise, status, message)
 
 

@@ -11,7 +11,7 @@ Two param groups, visible to torch.optim.lr_scheduler like any optimizer's:
 A scheduler scales each group's own ``lr``: LambdaLR(opt, f) multiplies both lr and
 adamw_lr by f(step). The groups are the source of truth; step() hands their values to
 two inner optimizers: a dmuon_edu.muon.Muon over the matrices this rank owns (fed with
-``p._reduced_grad``, same-shape matrices batched through Newton-Schulz) and a
+``p._reduced_grad``; see its docstring for how same-shape matrices are batched) and a
 torch.optim.AdamW over the shards.
 
 Non-finite gradients: if any gradient of the step holds NaN or Inf, on any rank (an
@@ -19,6 +19,9 @@ owner's reduced matrix gradient or any FSDP2 shard), step() skips the whole step
 every rank: weights, momentum, Adam moments and step counts stay as they were, a
 RuntimeWarning says so, and ``skipped_steps`` counts it (GradScaler's policy, applied
 to all ranks alike). Deciding it costs one all_reduce of a one-element flag per step.
+A learning-rate scheduler that the loop steps after every optimizer step still
+advances on a skipped one, as it does after a step that GradScaler skips; a loop that
+must not lose schedule on a skip can compare ``skipped_steps`` before and after.
 
 Optimizer state is created at construction (zero momentum, zero Adam moments, step 0:
 exactly a fresh optimizer's first step), so that a fresh optimizer's state dict
