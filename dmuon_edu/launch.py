@@ -194,7 +194,8 @@ def _exception_of(result: LaunchResult, rank: int | None) -> str:
     match = _root_cause(result)
     if match is None:
         return f"torchrun exited with {result.returncode} and the rank printed no Python traceback"
-    code, signal = match.group(2), match.group(3)
+    code = match.group(2)
+    signal = match.group(3) or (f"signal {-int(code)}" if int(code) < 0 else None)  # torchrun names only the common ones
     if signal:
         return (f"exit code {code} ({signal}), no Python traceback: it was killed by a signal or aborted in "
                 "native code (SIGKILL often means out of memory)")

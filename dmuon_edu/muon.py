@@ -129,7 +129,7 @@ class Muon(torch.optim.Optimizer):
             same_shape = defaultdict(list)
             for p in group["params"]:
                 if p.grad is not None:
-                    same_shape[(p.shape, p.device)].append(p)
+                    same_shape[(p.shape, p.device, p.dtype)].append(p)
             for params in same_shape.values():
                 self._step_same_shape(params, group)
         return loss
@@ -137,10 +137,11 @@ class Muon(torch.optim.Optimizer):
     def _step_same_shape(self, params: list[torch.Tensor], group: dict) -> None:
         orthogonalise = partial(newton_schulz, steps=group["ns_steps"], dtype=group["ns_dtype"])
         if not batching_pays(params[0]):
-            # Large matrices on CPU, as torch.optim.Muon does: each gradient is checked,
-            # turned into an update in one scratch tensor, orthogonalised and applied before
-            # the next, so memory stays warm. Forming all updates first costs a fresh
-            # megabyte per 512 x 512 matrix in page faults (benchmarks/README.md).
+            # Large matrices on CPU go one at a time, as in torch.optim.Muon, but through
+            # one reused scratch tensor: each gradient is checked, turned into an update
+            # there, orthogonalised and applied before the next, so memory stays warm.
+            # Fresh memory costs page faults: about 0.2 ms per megabyte on the benchmark
+            # machine, which made forming all updates first 4% slower (benchmarks/README.md).
             scratch = torch.empty_like(params[0])
             for p in _with_finite_grads(params, one_at_a_time=True):
                 self._apply(p, orthogonalise(self._update(p, group, out=scratch), overwrite_input=True), group)
@@ -174,14 +175,19 @@ def _with_finite_grads(params: list[torch.Tensor], one_at_a_time: bool = False) 
     """The parameters whose gradient is finite; a warning for each of the others.
 
     NaN and Inf propagate through a sum, which costs a thirtieth of isfinite(g).all()
-    on CPU. A finite gradient whose sum overflows is caught too: its norm would overflow
-    in Newton-Schulz and silently zero the update. ``one_at_a_time`` checks each gradient
-    just before it is used, while it is in cache; otherwise one host sync for the list.
+    on CPU. The sum accumulates in float32 (an fp16 gradient of 300 x 300 ones is finite
+    though its sum is not in fp16); a float32 overflow of it is treated as non-finite,
+    since such a gradient's update would be lost in rounding anyway. ``one_at_a_time``
+    checks each gradient just before it is used, while it is in cache; otherwise one
+    host sync for the list.
     """
+    def total(p):
+        return p.grad.sum(dtype=torch.promote_types(p.grad.dtype, torch.float32))
+
     if one_at_a_time:
-        finite = (bool(p.grad.sum().isfinite()) for p in params)  # lazily: each just before its use
+        finite = (bool(total(p).isfinite()) for p in params)  # lazily: each just before its use
     else:
-        finite = torch.stack([p.grad.sum() for p in params]).isfinite().tolist()
+        finite = torch.stack([total(p) for p in params]).isfinite().tolist()
     for p, ok in zip(params, finite):
         if ok:
             yield p

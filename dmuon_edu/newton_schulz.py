@@ -122,8 +122,8 @@ GRAM_SPACE_MIN_ROWS = 256
 # On CPU, torch.baddbmm over a batch beats a loop of torch.addmm for small matrices, where
 # the loop's per-call overhead dominates, and loses for large ones, whose batch-sized fresh
 # temporaries cost page faults. Muon steps on 8 matrices, bf16, 2-core CPU, batched / loop:
-# 0.25 at 64x64, 0.40 at 128x128, 1.02 at 256x256, 1.43 at 256x1024, 1.17 at 512x512.
-# GPUs always batch.
+# 0.25 at 64x64, 0.40 at 128x128, 1.02 (break-even) at 256x256, 1.43 at 256x1024, 1.17 at
+# 512x512. GPUs always batch.
 CPU_BATCH_MAX_ELEMENTS = 256 * 256  # on CPU, matrices of at most this many elements are batched
 
 
@@ -176,7 +176,12 @@ def newton_schulz(
 
 
 def batching_pays(matrix: torch.Tensor) -> bool:
-    """Whether same-shape matrices like this one go faster through one batched call than one by one."""
+    """Whether same-shape matrices like this one should go through one batched call.
+
+    Decided by whole Muon steps (see CPU_BATCH_MAX_ELEMENTS), where batching large CPU
+    matrices means forming all their updates at once; Newton-Schulz alone on a ready
+    batch gains a little from batching at most sizes on CPU.
+    """
     return matrix.device.type != "cpu" or matrix.numel() <= CPU_BATCH_MAX_ELEMENTS
 
 
@@ -252,8 +257,11 @@ def _normalise(X: torch.Tensor, eps: float, dtype: torch.dtype, scratch: torch.T
     ``dtype`` tensor would make torch allocate a hidden temporary in X's precision at
     every call, and on CPU each fresh megabyte costs page faults (a 512 x 512 float32
     matrix: about 0.2 ms, 4% of its Muon step).
+
+    The norm itself is accumulated in at least float32: in fp16 it overflows once it
+    passes 65504, which would silently turn the update into zeros.
     """
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(X.dtype, torch.float32))
     return torch.div(X, norm + eps, out=scratch).to(dtype)
 
 

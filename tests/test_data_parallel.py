@@ -151,6 +151,9 @@ def test_a_rank_that_dies_without_a_traceback_is_named_with_its_own_exit_status(
     assert _exception_of(aborted, 1).startswith("exit code -6 (SIGABRT), no Python traceback")
     exited = LaunchResult(returncode=1, launcher_log=summary.replace("-6 (pid: 21311)  (SIGABRT)", "3 (pid: 2)").splitlines())
     assert _exception_of(exited, 1).startswith("exit code 3, no Python traceback: the script called sys.exit")
+    # torchrun names only the signals Python's signal module knows; a real-time one comes bare
+    unnamed = LaunchResult(returncode=1, launcher_log=summary.replace("-6 (pid: 21311)  (SIGABRT)", "-40 (pid: 2) ").splitlines())
+    assert _exception_of(unnamed, 1).startswith("exit code -40 (signal 40), no Python traceback")
 
 
 def test_a_failure_after_the_session_still_fails_the_job():

@@ -3,6 +3,8 @@
 import io
 import math
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -228,6 +230,31 @@ def test_non_finite_gradient_skips_that_parameter_and_warns(bad, path, monkeypat
     # The others stepped exactly as they would have without the poisoned neighbour.
     clean, _ = run(Muon, W0s[1:], [g[1:] for g in grads], lr=0.02)
     assert torch.equal(params[1], clean[0]) and torch.equal(params[2], clean[1])
+
+
+def test_a_large_finite_fp16_gradient_is_stepped_not_skipped():
+    # 300 x 300 entries of 300: its sum (2.7e7) and its norm (9e4) overflow fp16 (max 65504),
+    # so the finite check and Newton-Schulz's norm must accumulate in float32.
+    half, single = nn.Parameter(torch.zeros(300, 300, dtype=torch.float16)), nn.Parameter(torch.zeros(300, 300))
+    half.grad, single.grad = torch.full((300, 300), 300.0, dtype=torch.float16), torch.full((300, 300), 300.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([half], lr=0.02).step()
+    Muon([single], lr=0.02).step()
+    # fp16 keeps 11 bits: the step agrees with float32's to fp16 rounding (2^-11 relative)
+    assert torch.allclose(half.float(), single, rtol=2**-10, atol=0) and single.abs().max() > 0
+
+
+def test_same_shape_parameters_of_different_dtypes_do_not_share_a_precision():
+    W0s, grads = random([(300, 300)], steps=2, seed=11)
+    alone, _ = run(Muon, [W0s[0].double()], [[g[0].double()] for g in grads], lr=0.02, ns_dtype=torch.float64)
+    low = nn.Parameter(W0s[0].bfloat16())
+    high = nn.Parameter(W0s[0].double())
+    opt = Muon([low, high], lr=0.02, ns_dtype=torch.float64)
+    for (g,) in grads:
+        low.grad, high.grad = g.bfloat16(), g.double()
+        opt.step()
+    assert torch.equal(high, alone[0])
 
 
 def test_parameters_without_grad_are_left_alone():
