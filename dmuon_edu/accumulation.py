@@ -73,8 +73,7 @@ def train_step_with_accumulation(
             f"loss_fn must be callable, got {type(loss_fn).__name__}; "
             "pass a function such as torch.nn.functional.mse_loss"
         )
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}")
+    require_max_grad_norm(max_grad_norm)
     if scaler is not None:
         _require_fresh_scaler_window(scaler, optimizer)
     sample_counts = _sample_counts(microbatches)
@@ -174,9 +173,20 @@ def accumulation_windows(batches: Iterable, accum_steps: int) -> Iterator[list]:
     A short last window is kept, not dropped: with the weighting of
     :func:`train_step_with_accumulation` it gets its full weight.
     """
+    require_accum_steps(accum_steps)
+    return _windows(iter(batches), accum_steps)
+
+
+def require_accum_steps(accum_steps) -> None:
+    """Refuse anything but an int >= 1 as a number of micro-batches per optimizer step."""
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step), got {accum_steps!r}")
-    return _windows(iter(batches), accum_steps)
+
+
+def require_max_grad_norm(max_grad_norm) -> None:
+    """Refuse a clipping threshold that is not positive (None means no clipping)."""
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}")
 
 
 def _windows(batches: Iterator, accum_steps: int) -> Iterator[list]:

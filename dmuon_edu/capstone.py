@@ -53,6 +53,7 @@ from dmuon_edu.dmuon_problem import ResidencyProbe
 from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
 from dmuon_edu.memory import peak_memory_bytes
 from dmuon_edu.muon import Muon
+from dmuon_edu.threads import one_thread
 
 __all__ = [
     "Capstone",
@@ -229,17 +230,11 @@ def run_single_process(capstone: Capstone, optimizer: str, predicate=is_hidden_m
     """Train ``capstone.model()`` in this process with "AdamW" or "Muon" (matrices chosen by ``predicate``)."""
     model = capstone.model()
     optimizers = single_process_optimizers(optimizer, model, capstone, predicate)
-    # One thread, like each torchrun rank: a model this small gains nothing from a second
-    # one, and loses several times its speed when another job keeps the other core busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # like each torchrun rank
         losses, seconds, peak = train(model, optimizers, capstone.microbatches(), capstone.accum_steps,
                                       progress=progress)
         held_out = capstone.held_out()
         held_out_loss, learned = evaluate(model, held_out), learned_transition(model, held_out)
-    finally:
-        torch.set_num_threads(threads)
     return RunResult(losses, held_out_loss, _typical(seconds), peak, held_bytes(model, optimizers), learned.tolist())
 
 

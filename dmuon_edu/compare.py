@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -12,7 +12,7 @@ __all__ = ["max_parameter_difference"]
 def max_parameter_difference(
     a: torch.nn.Module | Iterable[torch.Tensor], b: torch.nn.Module | Iterable[torch.Tensor]
 ) -> float:
-    """Largest absolute difference between corresponding parameters of two models (or tensor lists)."""
+    """Largest absolute difference between corresponding parameters of two models (or state_dicts, or tensor lists)."""
     tensors_a, tensors_b = _tensors(a), _tensors(b)
     if len(tensors_a) != len(tensors_b):
         raise ValueError(f"cannot compare {len(tensors_a)} parameters with {len(tensors_b)}: build both models the same way")
@@ -29,4 +29,7 @@ def _tensors(model_or_tensors) -> list[torch.Tensor]:
         return list(model_or_tensors.parameters())
     if isinstance(model_or_tensors, torch.Tensor):
         raise TypeError("pass a model or a list of tensors, not a single tensor")
-    return list(model_or_tensors)
+    tensors = list(model_or_tensors.values() if isinstance(model_or_tensors, Mapping) else model_or_tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError("pass a model, a state_dict or a list of tensors")
+    return tensors

@@ -74,9 +74,8 @@ def strip_solutions(source: str, where: str = "source", message: str = STUB_MESS
 def learner_notebook(solution: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
     """The learner twin of a solution notebook: stubs, no outputs, no execution noise."""
     learner = nbformat.from_dict(solution)
-    learner.metadata.pop("widgets", None)
+    clean_outputs(learner)
     for index, cell in enumerate(learner.cells):
-        cell.metadata.pop("execution", None)
         if cell.cell_type == "code":
             cell.source = strip_solutions(cell.source, where=f"{name}, cell {index}")
             cell.outputs = []

@@ -74,6 +74,10 @@ def lm_batch(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     by one, with every padded position set to ``IGNORE_INDEX`` so that no loss
     counts it. A sequence of length L gives L - 1 predictions.
     """
+    if not isinstance(sequences, (list, tuple)) or any(
+        not isinstance(s, torch.Tensor) or s.is_floating_point() or s.is_complex() for s in sequences
+    ):
+        raise TypeError("lm_batch needs a list of 1-D integer token tensors, e.g. list(source.sample(...))")
     if not sequences or any(s.dim() != 1 or len(s) < 2 for s in sequences):
         raise ValueError("lm_batch needs a non-empty list of 1-D token tensors, each at least 2 tokens long")
     width = max(len(s) for s in sequences) - 1

@@ -150,9 +150,8 @@ class CollectiveCounts(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket
-        if packet.__module__ == "torch.ops.c10d" or str(packet).startswith("c10d."):
-            name = _COLLECTIVE_NAMES.get(str(packet).split(".", 1)[1])
+        if func.namespace == "c10d":
+            name = _COLLECTIVE_NAMES.get(func.overloadpacket.__name__)
             if name is not None:
                 self.calls[name] += 1
                 self.bytes[name] += max((sum(map(_nbytes, _tensors(arg))) for arg in args), default=0)

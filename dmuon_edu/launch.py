@@ -89,6 +89,8 @@ def torchrun(
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(args, (str, bytes, os.PathLike)):
+        raise TypeError(f"args must be a list of arguments, e.g. ['--steps', '3'], not one string: got {args!r}")
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--tee=3", str(script), *map(str, args)]

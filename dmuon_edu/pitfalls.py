@@ -18,16 +18,16 @@ Muon. :func:`training_curve` shows it over a short run.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from dmuon_edu.accumulation import train_step_with_accumulation
-from dmuon_edu.muon import Muon
+from dmuon_edu.accumulation import require_accum_steps, require_max_grad_norm, train_step_with_accumulation
+from dmuon_edu.muon import ADJUST_LR_FNS, Muon, _check_hyperparameters
 from dmuon_edu.newton_schulz import newton_schulz
+from dmuon_edu.threads import one_thread
 
 __all__ = [
     "unscaled_loss",
@@ -206,10 +206,8 @@ class GradOverwritingMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.95, ns_steps: int = 5, ns_dtype=torch.bfloat16):
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}; 0.02 is the usual value")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}; 0.95 is the usual value")
+        _check_hyperparameters(dict(lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
+                                    adjust_lr_fn="original", ns_steps=ns_steps, ns_dtype=ns_dtype))
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, ns_dtype=ns_dtype))
         for group in self.param_groups:
             for p in group["params"]:
@@ -227,8 +225,7 @@ class GradOverwritingMuon(torch.optim.Optimizer):
                 buffer.lerp_(p.grad, 1 - mu)
                 blend = p.grad.lerp_(buffer, mu)
                 update = newton_schulz(blend, steps=group["ns_steps"], dtype=group["ns_dtype"])
-                m, n = p.shape
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * math.sqrt(max(1.0, m / n)))
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * ADJUST_LR_FNS["original"](*p.shape))
 
 
 # --- what an unscaled loss does to the learning rate ------------------------------------------
@@ -279,11 +276,14 @@ def effective_lr_multiplier(
     ``weight_decay``, ``eps``, ...).
     """
     _require_optimizer_name(optimizer)
-    _require_accum_steps(accum_steps)
+    require_accum_steps(accum_steps)
+    require_max_grad_norm(max_grad_norm)
+    if "lr" in hyper and not hyper["lr"] > 0:
+        raise ValueError(f"lr must be > 0, got {hyper['lr']}: the multiplier is a ratio of update sizes, and lr = 0 moves nothing")
     inputs, targets = _regression_data(accum_steps * MICROBATCH_SIZE, seed=accum_steps)
     microbatches = list(zip(inputs.split(MICROBATCH_SIZE), targets.split(MICROBATCH_SIZE)))
     step_fn = train_step_with_accumulation if scale_loss else unscaled_loss
-    with _one_thread():
+    with one_thread():
         full_batch = _first_update(train_step_with_accumulation, [(inputs, targets)], optimizer, max_grad_norm, hyper)
         measured = _first_update(step_fn, microbatches, optimizer, max_grad_norm, hyper)
     return (measured.norm() / full_batch.norm()).item()
@@ -300,7 +300,7 @@ def training_curve(
     its remaining losses are ``nan``.
     """
     _require_optimizer_name(optimizer)
-    _require_accum_steps(accum_steps)
+    require_accum_steps(accum_steps)
     if accum_steps > batch_size:
         raise ValueError(
             f"cannot split a batch of {batch_size} samples into {accum_steps} micro-batches; "
@@ -312,7 +312,7 @@ def training_curve(
     opt = make_optimizer(optimizer, model.parameters(), **hyper)
     step_fn = train_step_with_accumulation if scale_loss else unscaled_loss
     losses = []
-    with _one_thread():
+    with one_thread():
         for step in range(steps):
             x, y = batches[step % len(batches)]
             step_fn(model, opt, list(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))), F.mse_loss)
@@ -321,18 +321,6 @@ def training_curve(
             if not math.isfinite(losses[-1]):
                 return losses + [math.nan] * (steps - len(losses))
     return losses
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run torch on one thread: on matrices this small, handing work to other threads
-    costs more than the arithmetic (5x slower with 2 threads on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _first_update(step_fn: Callable, microbatches, optimizer: str, max_grad_norm, hyper) -> torch.Tensor:
@@ -369,8 +357,3 @@ def _require_optimizer_name(name) -> None:
         raise TypeError(f"optimizer must be a name such as 'sgd', got {type(name).__name__}")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-
-
-def _require_accum_steps(accum_steps) -> None:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step), got {accum_steps!r}")

@@ -44,8 +44,7 @@ def lr_scaling_figure(optimizer: str, accum_steps: int, *, lr: float, scale_loss
     with unscaled losses at learning rate ``lr``; the one ``scale_loss``
     selects is drawn bold.
     """
-    if not 1 <= accum_steps <= MAX_ACCUM_STEPS:
-        raise ValueError(f"accum_steps must be between 1 and {MAX_ACCUM_STEPS}, got {accum_steps}")
+    _require_slider_accum_steps(accum_steps)
     hyper = {"lr": lr}
     grid = sorted({*ACCUM_STEPS_GRID, accum_steps})
     multipliers = [_multiplier(optimizer, n, scale_loss=scale_loss, **hyper) for n in grid]
@@ -86,6 +85,7 @@ class LrScalingWidget(widgets.VBox):
     """The controls of :func:`lr_scaling_figure`, its latest figure (``.figure``) and that figure's PNG (``.plot``)."""
 
     def __init__(self, optimizer: str = "sgd", accum_steps: int = 8, scale_loss: bool = False):
+        _require_slider_accum_steps(accum_steps)  # the slider would silently clamp it
         style = {"description_width": "initial"}
         self.optimizer = widgets.ToggleButtons(options=OPTIMIZERS, value=optimizer, description="optimizer", style=style)
         self.accum_steps = widgets.IntSlider(
@@ -130,3 +130,8 @@ class LrScalingWidget(widgets.VBox):
 def lr_scaling_widget(optimizer: str = "sgd", accum_steps: int = 8, scale_loss: bool = False) -> LrScalingWidget:
     """An app: how an unscaled loss changes the learning rate of SGD, momentum, AdamW and Muon."""
     return LrScalingWidget(optimizer, accum_steps, scale_loss)
+
+
+def _require_slider_accum_steps(accum_steps) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or not 1 <= accum_steps <= MAX_ACCUM_STEPS:
+        raise ValueError(f"accum_steps must be between 1 and {MAX_ACCUM_STEPS} (an int), got {accum_steps!r}")

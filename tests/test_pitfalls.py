@@ -81,6 +81,8 @@ def test_invariance_breaks_where_the_notebook_says():
         (("sgd", 0), {}, ValueError, "accum_steps must be an int >= 1"),
         (("sgd", 2.0), {}, ValueError, "accum_steps must be an int >= 1"),
         (("sgd", 4), {"eps": 1e-8}, TypeError, "'sgd' does not take the hyperparameters"),
+        (("sgd", 4), {"max_grad_norm": 0.0}, ValueError, "max_grad_norm must be positive"),
+        (("sgd", 4), {"lr": 0.0}, ValueError, "lr must be > 0"),
     ],
 )
 def test_bad_arguments_are_refused(args, kwargs, error, message):
@@ -142,6 +144,11 @@ def test_grad_overwriting_muon_writes_the_blend_into_grad():
 def test_never_zeroing_leaks_the_blend_not_the_gradient():
     overwriting, clean = run(pitfalls.never_zero_grad, pitfalls.GradOverwritingMuon), run(pitfalls.never_zero_grad, Muon)
     assert max_parameter_difference(overwriting, clean) > 1e-3
+
+
+def test_grad_overwriting_muon_checks_its_hyperparameters_as_muon_does():
+    with pytest.raises(ValueError, match="ns_steps must be >= 1"):
+        pitfalls.GradOverwritingMuon([torch.nn.Parameter(torch.zeros(3, 3))], lr=0.02, ns_steps=0)
 
 
 def test_grad_overwriting_muon_refuses_vectors():

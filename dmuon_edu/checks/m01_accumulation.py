@@ -8,6 +8,7 @@ import torch
 
 from dmuon_edu import pitfalls
 from dmuon_edu.accumulation import train_step_with_accumulation
+from dmuon_edu.checks.problem import regression_model, regression_windows
 
 # Float32 parameters of size ~0.1-1 after a few additions: two correct
 # implementations that order or group the scaling differently differ by a few
@@ -45,7 +46,7 @@ _STEP_MISTAKES = [
 
 def _check_train_step(candidate: Callable) -> tuple[str, str]:
     for sizes in ([3, 3, 3, 3], [1, 5, 2, 4]):
-        windows = _windows(sizes, n_windows=2)
+        windows = regression_windows(sizes, n_windows=2, seed=1234)
         expected_params, expected_losses = _train(train_step_with_accumulation, windows)
         params, losses = _train(candidate, windows)
         if not torch.allclose(params, expected_params, atol=PARAMETER_ATOL, rtol=0):
@@ -80,19 +81,9 @@ def _diagnose_loss(loss: float, expected: float, n_microbatches: int) -> str:
     return f"the returned loss {loss:.4f} is not the window's mean loss {expected:.4f}"
 
 
-def _windows(sizes: list[int], n_windows: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    generator = torch.Generator().manual_seed(1234)
-    return [
-        [(torch.randn(size, 4, generator=generator), torch.randn(size, 2, generator=generator)) for size in sizes]
-        for _ in range(n_windows)
-    ]
-
-
 def _train(step_fn: Callable, windows) -> tuple[torch.Tensor, list]:
     """Parameters after calling ``step_fn`` once per window from a fixed start, and its returns."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = regression_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = [step_fn(model, optimizer, window, torch.nn.functional.mse_loss) for window in windows]
     params = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dmuon_edu import pitfalls
 from dmuon_edu.accumulation import accumulation_windows, train_step_with_accumulation
+from dmuon_edu.checks.problem import Window, regression_model, regression_windows
 
 # Float32 gradients and parameters of size ~0.01-1: correct loops that scale
 # or add in a different order differ by a few ulps (~1e-7). Every bug moves
@@ -166,7 +167,7 @@ def _verdict(learner: _Record, correct: _Record, record, mistakes, optimizer: st
 
 def _record(run: Callable, optimizer: str) -> _Record:
     """Run ``run(model, optimizer)`` from a fixed start, recording the gradient at every step() call."""
-    model = _model(bias=optimizer != "muon")  # Muon takes matrices only
+    model = regression_model(bias=optimizer != "muon")  # Muon takes matrices only
     opt = (
         pitfalls.GradOverwritingMuon(model.parameters(), lr=0.02, ns_dtype=torch.float32)
         if optimizer == "muon"
@@ -186,18 +187,8 @@ def _record(run: Callable, optimizer: str) -> _Record:
     return _Record(step_gradients, torch.cat([p.detach().flatten() for p in parameters]))
 
 
-def _windows(n_windows: int = N_WINDOWS, sizes=(3,) * ACCUM_STEPS) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    generator = torch.Generator().manual_seed(2024)
-    return [
-        [(torch.randn(size, 4, generator=generator), torch.randn(size, 2, generator=generator)) for size in sizes]
-        for _ in range(n_windows)
-    ]
-
-
-def _model(bias: bool) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=bias), torch.nn.Tanh(), torch.nn.Linear(8, 2, bias=bias))
+def _windows(n_windows: int = N_WINDOWS, sizes=(3,) * ACCUM_STEPS) -> list[Window]:
+    return regression_windows(sizes, n_windows, seed=2024)
 
 
 EXERCISES = {
