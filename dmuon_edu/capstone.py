@@ -49,7 +49,8 @@ from tqdm.auto import tqdm
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.accumulation import accumulation_windows
 from dmuon_edu.data import MarkovSource
-from dmuon_edu.dmuon_problem import ResidencyProbe
+from dmuon_edu.data_parallel import rank_share
+from dmuon_edu.dmuon_problem import ResidencyProbe, per_rank
 from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
 from dmuon_edu.memory import peak_memory_bytes
 from dmuon_edu.muon import Muon
@@ -119,10 +120,7 @@ class Capstone:
 
     def local(self, microbatches, rank: int, world_size: int):
         """This rank's equal share of each global micro-batch."""
-        if self.global_microbatch % world_size:
-            raise ValueError(f"a global micro-batch of {self.global_microbatch} sequences does not split evenly over "
-                             f"{world_size} ranks; choose a world size that divides it")
-        return [tuple(t.chunk(world_size)[rank] for t in batch) for batch in microbatches]
+        return [rank_share(batch, rank, world_size) for batch in microbatches]
 
 
 @dataclass
@@ -178,8 +176,9 @@ def train(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], microba
         for window in bar:
             optimizer_step(window)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        # The last step under the memory profiler (it slows that step, which the timing skips).
-        peak = peak_memory_bytes(lambda: optimizer_step(windows[-1]))
+        # The last step under the memory profiler (it slows that step, which the timing skips),
+        # on the device the model lives on: a rank's GPU when torchrun runs on GPUs.
+        peak = peak_memory_bytes(lambda: optimizer_step(windows[-1]), next(model.parameters()).device)
         bar.update()
     return losses, seconds, peak
 
@@ -273,18 +272,16 @@ def _run_dmuon(capstone: Capstone, mode: str, ranks, mesh) -> dict:
     # Each rank's loss is its share's mean; the shares are equal, so the global loss is their mean.
     losses = torch.tensor(local_losses, dtype=torch.float64, device=ranks.device)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-    memory = torch.tensor([held_bytes(model, [optimizer]), peak, probe.peak], device=ranks.device)
-    per_rank = [torch.zeros_like(memory) for _ in range(ranks.world_size)]
-    dist.all_gather(per_rank, memory)
+    memory = per_rank((held_bytes(model, [optimizer]), peak, probe.peak))
     steps = len(local_losses)
     held_out = capstone.held_out().to(ranks.device)
     return {
         **asdict(RunResult(losses.tolist(), evaluate(model, held_out), _typical(seconds),
-                           max(int(t[1]) for t in per_rank), max(int(t[0]) for t in per_rank),
+                           max(t[1] for t in memory), max(t[0] for t in memory),
                            learned_transition(model, held_out).tolist())),
-        "held_bytes_per_rank": [int(t[0]) for t in per_rank],
-        "peak_bytes_per_rank": [int(t[1]) for t in per_rank],
-        "matrix_bytes_during_forward_per_rank": [int(t[2]) for t in per_rank],
+        "held_bytes_per_rank": [t[0] for t in memory],
+        "peak_bytes_per_rank": [t[1] for t in memory],
+        "matrix_bytes_during_forward_per_rank": [t[2] for t in memory],
         "comm_per_step": {op: [counts.calls[op] // steps, counts.bytes[op] // steps] for op in sorted(counts.calls)},
         "predicted_per_step": counted_bytes_per_step(p_m, capstone.accum_steps, zero3, uses_no_sync),
         "P_M": p_m,

@@ -67,12 +67,7 @@ class Problem:
 
     def local(self, batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int):
         """This rank's equal share of a global micro-batch."""
-        if self.global_microbatch % world_size:
-            raise ValueError(
-                f"a global micro-batch of {self.global_microbatch} does not split evenly over {world_size} ranks; "
-                "choose a world size that divides it"
-            )
-        return tuple(t.chunk(world_size)[rank] for t in batch)
+        return rank_share(batch, rank, world_size)
 
     def baseline(self) -> list[list[torch.Tensor]]:
         """Parameters after each optimizer step of one process that sees each whole window as one batch."""
@@ -124,3 +119,14 @@ def report(
             "measurements": measurements or {},
         }, indent=1))
     return result
+
+
+def rank_share(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    """This rank's equal share of a global micro-batch: every tensor split along its first dimension."""
+    size = batch[0].shape[0]
+    if size % world_size:
+        raise ValueError(
+            f"a global micro-batch of {size} does not split evenly over {world_size} ranks; "
+            "choose a world size that divides it"
+        )
+    return tuple(t.chunk(world_size)[rank] for t in batch)

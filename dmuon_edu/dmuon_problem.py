@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmuon_edu import data_parallel, dmuon, muon
+from dmuon_edu.gpt import is_hidden_matrix
 
 __all__ = [
     "Problem",
@@ -50,9 +51,8 @@ MUON_HYPERPARAMETERS = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, n
 ADAMW_LR = 1e-2  # module 5's AdamW learning rate, for everything that is not a Muon matrix
 
 
-def is_dedicated(name: str, p: nn.Parameter) -> bool:
-    """Seed 000's predicate: the hidden matrices get an owner rank and Muon."""
-    return "proj" in name and p.ndim == 2
+# Seed 000's predicate, as for the capstone's GPT: the hidden matrices get an owner rank and Muon.
+is_dedicated = is_hidden_matrix
 
 
 class Block(nn.Module):
@@ -191,7 +191,7 @@ class ResidencyProbe:
     """
 
     def __init__(self, model: nn.Module):
-        self.dedicated = list(dedicated_parameters(model).values())
+        self.dedicated = list(dmuon.dedicate.state_of(model).params.values())  # what dmuon dedicated
         self.peak = 0
         for layer in model.layers:
             layer.register_forward_pre_hook(self._measure)

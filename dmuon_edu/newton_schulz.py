@@ -159,6 +159,10 @@ def newton_schulz(
         raise TypeError(f"steps must be an int, got {type(steps).__name__}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}; 1e-7 is the usual value")
     per_step = _per_step_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")

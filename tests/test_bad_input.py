@@ -44,6 +44,12 @@ def sharded_then_dedicated(mesh):
     dmuon.dedicate_params(model, mesh, is_proj)
 
 
+def negative_adamw_lr_set_after_construction(mesh):
+    optimizer = dmuon.Muon(dedicated(mesh))
+    optimizer.adamw_group["lr"] = -5.0
+    optimizer.step()
+
+
 def optimizer_of_another_model(mesh):
     model, other = dedicated(mesh), dedicated(mesh)
     dmuon.get_optimizer_state_dict(model, dmuon.Muon(other))
@@ -115,6 +121,9 @@ CASES = [
     ("newton_schulz/empty_batch", lambda: newton_schulz([]), ValueError, "pass at least one matrix"),
     ("newton_schulz/overwrite_input_not_bool", lambda: newton_schulz(torch.randn(3, 3), overwrite_input="yes"),
      TypeError, "overwrite_input must be True or False"),
+    ("newton_schulz/dtype_a_string", lambda: newton_schulz(torch.randn(3, 3), dtype="bfloat16"), TypeError,
+     "a floating torch.dtype such as torch.bfloat16"),
+    ("newton_schulz/negative_eps", lambda: newton_schulz(torch.randn(3, 3), eps=-1.0), ValueError, "1e-7 is the usual value"),
     ("newton_schulz/integer_matrix", lambda: newton_schulz(torch.ones(3, 3, dtype=torch.long)), TypeError,
      "floating-point torch.Tensors"),
     # data
@@ -138,6 +147,11 @@ CASES = [
     ("widgets/widget_accum_steps_too_large", lambda: widgets.LrScalingWidget(accum_steps=100), ValueError, "between 1 and"),
     ("widgets/unknown_optimizer", lambda: widgets.lr_scaling_figure("adam", 4, lr=0.1, scale_loss=False), ValueError,
      "use one of sgd, momentum, adamw, muon"),
+    ("dmuon.Muon/adamw_lr_negative_at_step", negative_adamw_lr_set_after_construction, ValueError, "1e-3 is the usual value"),
+    ("dmuon.imbalance/owner_outside_the_world", lambda: dmuon.imbalance({"a": 2}, {"a": (4, 4)}, 2), ValueError,
+     "pass the world size the plan was made for"),
+    ("dmuon.clip_grad_norm_/negative_max_norm", lambda mesh: dmuon.clip_grad_norm_(dedicated(mesh), -1.0), ValueError,
+     "a negative one would flip every gradient"),
     ("checkpoint.load/missing_directory", lambda tmp_path: checkpoint.load({}, tmp_path / "nope"), FileNotFoundError,
      "pass the directory that checkpoint.save wrote"),
     ("checkpoint.load/half_written", half_written_checkpoint, checkpoint.IncompleteCheckpointError,

@@ -61,8 +61,12 @@ class DMuonState:
         self.rank = self.mesh.get_local_rank()
         self.world_size = self.mesh.size()
 
+    @staticmethod
+    def owner_of(p: nn.Parameter) -> int:
+        return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
+
     def owns(self, p: nn.Parameter) -> bool:
-        return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE) == self.rank
+        return self.owner_of(p) == self.rank
 
     # -- residency ------------------------------------------------------------------
     def make_resident(self, unit: Unit) -> None:
@@ -104,7 +108,7 @@ class DMuonState:
             if p._accumulated_grad is not None:
                 g, p._accumulated_grad = p._accumulated_grad.add_(g), None
             g = g.contiguous()
-            owner = getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
+            owner = self.owner_of(p)
             dist.reduce(g, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
             if owner == self.rank:
                 p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)

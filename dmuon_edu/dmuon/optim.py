@@ -115,10 +115,12 @@ class Muon(torch.optim.Optimizer):
 
     def _push_hyperparameters(self) -> None:
         inner_muon, inner_adamw = self._muon.param_groups[0], self._adamw.param_groups[0]
-        candidate = {**inner_muon, **{k: self.muon_group[k] for k in MUON_KEYS}}
-        single_device._check_hyperparameters(candidate)
-        inner_muon.update({k: self.muon_group[k] for k in MUON_KEYS})
-        inner_adamw.update({k: self.adamw_group[k] for k in ADAMW_KEYS})
+        muon_values = {k: self.muon_group[k] for k in MUON_KEYS}
+        adamw_values = {k: self.adamw_group[k] for k in ADAMW_KEYS}
+        single_device._check_hyperparameters(muon_values)
+        _check_adamw_hyperparameters(adamw_values)
+        inner_muon.update(muon_values)
+        inner_adamw.update(adamw_values)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -184,3 +186,16 @@ class Muon(torch.optim.Optimizer):
         raise RuntimeError(
             "dmuon.Muon's state is spread over ranks: use dmuon.set_optimizer_state_dict(model, optimizer, state_dict)"
         )
+
+
+def _check_adamw_hyperparameters(h: dict) -> None:
+    """What torch.optim.AdamW checks at construction, checked again at every step (a scheduler or a
+    state dict may have changed the group since)."""
+    if not h["lr"] >= 0:
+        raise ValueError(f"adamw_lr must be >= 0, got {h['lr']}; 1e-3 is the usual value")
+    if not h["eps"] >= 0:
+        raise ValueError(f"adamw_eps must be >= 0, got {h['eps']}; 1e-8 is the usual value")
+    if not h["weight_decay"] >= 0:
+        raise ValueError(f"adamw_weight_decay must be >= 0, got {h['weight_decay']}; use 0 for none")
+    if not all(0 <= beta < 1 for beta in h["betas"]):
+        raise ValueError(f"adamw_betas must both lie in [0, 1), got {h['betas']}; (0.9, 0.999) is the default")

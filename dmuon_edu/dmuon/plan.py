@@ -45,8 +45,7 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
     Deterministic: the same input gives the same plan on every rank. The result lists
     the names in the order they were given.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _require_world_size(world_size)
     for name, shape in shapes.items():
         if len(shape) != 2:
             raise ValueError(f"{name} has shape {tuple(shape)}: only 2-D matrices have owners")
@@ -65,8 +64,16 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
 
 
 def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], world_size: int) -> float:
-    """max / mean Newton-Schulz work per rank (1.0 is a perfect balance)."""
+    """max / mean Newton-Schulz work per rank (1.0 is a perfect balance, and so is no work)."""
+    _require_world_size(world_size)
     load = [0] * world_size
     for name, rank in owners.items():
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{name} is owned by rank {rank}, outside 0..{world_size - 1}: pass the world size the plan was made for")
         load[rank] += ns_cost(shapes[name])
-    return max(load) / (sum(load) / world_size)
+    return max(load) / (sum(load) / world_size) if sum(load) else 1.0
+
+
+def _require_world_size(world_size) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

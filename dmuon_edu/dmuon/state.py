@@ -59,7 +59,7 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
 
 def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
     """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (None elsewhere)."""
-    owner = getattr(p, "_dmuon_owner")
+    owner = state.owner_of(p)
     buffer = value.detach().clone() if owner == state.rank else torch.empty(p.shape, dtype=p.dtype, device=p.device)
     dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
@@ -173,6 +173,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     process with the full gradients, and the same scaling (max_norm / (norm + 1e-6),
     at most 1). Call it after the last backward of the window, outside no_sync.
     """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}; a negative one would flip every gradient")
     state = state_of(model)
     if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
         raise RuntimeError(
