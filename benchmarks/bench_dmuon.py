@@ -1,6 +1,6 @@
 """Optimizer step time of dmuon on W CPU ranks against replicated Muon, as a ratio.
 
-    .venv/bin/python benchmarks/bench_dmuon.py          # W = 2 and 4; a few minutes on a 2-core CPU
+    .venv/bin/python benchmarks/bench_dmuon.py          # W = 2 and 4; about a minute on a 2-core CPU
 
 Replicated Muon is what plain data parallelism does: every rank all-reduces every
 matrix gradient and runs Newton-Schulz on every matrix. dmuon reduces each gradient

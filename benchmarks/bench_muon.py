@@ -1,6 +1,6 @@
 """Step time and accuracy of dmuon_edu's Muon against torch.optim.Muon, in one run.
 
-    .venv/bin/python benchmarks/bench_muon.py        # about a minute on a 2-core CPU
+    .venv/bin/python benchmarks/bench_muon.py        # about 2 minutes on a 2-core CPU
 
 Both optimizers get the same parameters and the same gradients, with the same
 hyperparameters and bf16 Newton-Schulz. Method: warm-up steps first; then the two

@@ -10,10 +10,20 @@ from dmuon_edu import capstone
 from dmuon_edu.capstone import Capstone, counted_bytes_per_step, run_single_process, single_process_optimizers, train
 from dmuon_edu.checks import run_check
 from dmuon_edu.compare import max_parameter_difference
+from dmuon_edu.data import MarkovSource
 from dmuon_edu.gpt import is_hidden_matrix
 from dmuon_edu.launch import torchrun
 
 SHORT = Capstone(steps=30)
+
+
+def test_the_entropy_rate_of_a_two_state_chain_has_its_closed_form():
+    # P = [[1-a, a], [b, 1-b]]: stationary (b, a) / (a + b), so H = (b h(a) + a h(b)) / (a + b),
+    # h the binary entropy. Weighting rows equally, or by the wrong eigenvector, gives other numbers.
+    a, b = 0.1, 0.3
+    h = lambda q: -q * math.log(q) - (1 - q) * math.log(1 - q)  # noqa: E731
+    source = MarkovSource(torch.tensor([[1 - a, a], [b, 1 - b]], dtype=torch.float64))
+    assert source.entropy_rate() == pytest.approx((b * h(a) + a * h(b)) / (a + b), rel=1e-12)  # float64 sums
 
 
 def test_the_floor_is_the_entropy_rate_well_below_a_uniform_guess():

@@ -170,8 +170,10 @@ def test_the_batched_gpu_path_matches_one_matrix_at_a_time(shape):
 
 @pytest.mark.parametrize("shape", [(96, 24), (512, 256)])
 def test_tall_is_the_transpose_of_wide(shape):
+    # The tall path runs the wide one on a transposed view, so the two agree exactly; how
+    # close tall results are to the truth is checked against float64 above.
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(9))
-    assert torch.allclose(newton_schulz(G, dtype=torch.float32), newton_schulz(G.T, dtype=torch.float32).T, atol=1e-6)
+    assert torch.equal(newton_schulz(G, dtype=torch.float32), newton_schulz(G.T, dtype=torch.float32).T)
 
 
 def test_zero_matrix_maps_to_zero():
