@@ -12,7 +12,14 @@ __all__ = ["max_parameter_difference"]
 def max_parameter_difference(
     a: torch.nn.Module | Iterable[torch.Tensor], b: torch.nn.Module | Iterable[torch.Tensor]
 ) -> float:
-    """Largest absolute difference between corresponding parameters of two models (or state_dicts, or tensor lists)."""
+    """Largest absolute difference between corresponding parameters of two models (or state_dicts, or tensor lists).
+
+    Two state_dicts are matched by key.
+    """
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        if a.keys() != b.keys():
+            raise ValueError(f"the state_dicts differ in their keys: {sorted(a.keys() ^ b.keys())[:5]}")
+        b = {key: b[key] for key in a}
     tensors_a, tensors_b = _tensors(a), _tensors(b)
     if len(tensors_a) != len(tensors_b):
         raise ValueError(f"cannot compare {len(tensors_a)} parameters with {len(tensors_b)}: build both models the same way")

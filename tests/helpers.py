@@ -20,10 +20,6 @@ class Tiny(nn.Module):
         return x
 
 
-def is_proj(name, p):
-    return "proj" in name and p.ndim == 2
-
-
 def processes_running(script_name):
     """Pids of this machine's processes whose command line names ``script_name`` (other than this one)."""
     found = []

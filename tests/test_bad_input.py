@@ -10,7 +10,7 @@ the launcher's faults there and in tests/test_data_parallel.py.
 """
 
 import pytest
-from helpers import Tiny, is_proj
+from helpers import Tiny
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +21,7 @@ import dmuon_edu
 from dmuon_edu import checkpoint, distributed, dmuon, muon, widgets
 from dmuon_edu.checks import run_check
 from dmuon_edu.data import MarkovSource, lm_batch
+from dmuon_edu.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
 from dmuon_edu.newton_schulz import newton_schulz
 
@@ -32,7 +33,7 @@ def mesh(one_rank_mesh):
 
 def dedicated(mesh, shard=True):
     model = Tiny()
-    dmuon.dedicate_params(model, mesh, is_proj)
+    dmuon.dedicate_params(model, mesh, is_dedicated)
     if shard:
         fully_shard(model, mesh=mesh)
     return model
@@ -41,7 +42,7 @@ def dedicated(mesh, shard=True):
 def sharded_then_dedicated(mesh):
     model = Tiny()
     fully_shard(model, mesh=mesh)
-    dmuon.dedicate_params(model, mesh, is_proj)
+    dmuon.dedicate_params(model, mesh, is_dedicated)
 
 
 def negative_adamw_lr_set_after_construction(mesh):
@@ -100,6 +101,9 @@ CASES = [
      ValueError, "in one model and"),
     ("max_parameter_difference/a_single_tensor", lambda: dmuon_edu.max_parameter_difference(X, X), TypeError,
      "pass a model or a list of tensors"),
+    ("max_parameter_difference/state_dicts_with_other_keys",
+     lambda: dmuon_edu.max_parameter_difference(nn.Linear(2, 2).state_dict(), nn.Linear(2, 2, bias=False).state_dict()),
+     ValueError, "differ in their keys"),
     ("max_parameter_difference/list_of_floats", lambda: dmuon_edu.max_parameter_difference([1.0], [1.0]), TypeError,
      "a model, a state_dict or a list of tensors"),
     ("peak_memory_bytes/result_not_function", lambda: dmuon_edu.peak_memory_bytes(3), TypeError, "a callable taking no arguments"),
@@ -165,11 +169,11 @@ CASES = [
      ValueError, "add `and p.ndim == 2` to the predicate"),
     ("dmuon/predicate_selects_nothing", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, lambda n, p: False), ValueError,
      "e.g. lambda n, p: 'proj' in n and p.ndim == 2"),
-    ("dmuon/dedicate_twice", lambda mesh: dmuon.dedicate_params(dedicated(mesh, shard=False), mesh, is_proj), RuntimeError,
+    ("dmuon/dedicate_twice", lambda mesh: dmuon.dedicate_params(dedicated(mesh, shard=False), mesh, is_dedicated), RuntimeError,
      "call it once"),
-    ("dmuon/2d_mesh", lambda mesh: dmuon.dedicate_params(Tiny(), init_device_mesh("cpu", (1, 1)), is_proj), ValueError,
+    ("dmuon/2d_mesh", lambda mesh: dmuon.dedicate_params(Tiny(), init_device_mesh("cpu", (1, 1)), is_dedicated), ValueError,
      "init_device_mesh(device_type, (world_size,))"),
-    ("dmuon/z2_z3_not_bool", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, is_proj, reshard_after_forward="z2"),
+    ("dmuon/z2_z3_not_bool", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, is_dedicated, reshard_after_forward="z2"),
      TypeError, "True (Z3) or False (Z2)"),
     ("dmuon/muon_without_dedicate", lambda mesh: dmuon.Muon(Tiny()), ValueError, "call dmuon.dedicate_params"),
     ("dmuon/muon_given_parameters", lambda mesh: dmuon.Muon(list(Tiny().parameters())), TypeError,

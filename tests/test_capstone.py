@@ -52,13 +52,17 @@ def test_an_accumulated_step_equals_one_full_batch_step():
              for i in range(0, len(batches), settings.accum_steps)]
     train(accumulated, single_process_optimizers("AdamW", accumulated, settings), batches, settings.accum_steps)
     train(full, single_process_optimizers("AdamW", full, settings), whole, 1)
+    # AdamW on a GPT: reordered float32 sums, amplified where a gradient component nearly cancels
+    # (measured 4e-6); an unscaled or dropped micro-batch moves parameters by > 1e-3.
     assert max_parameter_difference(accumulated, full) < 1e-5
 
 
 def test_a_short_run_learns_most_of_the_way_to_the_floor():
     result = run_single_process(SHORT, "Muon", progress=False)
     assert len(result.losses) == SHORT.steps
-    assert result.losses[0] > math.log(SHORT.vocab_size) - 0.1  # it starts from a near-uniform guess
+    assert result.losses[0] > math.log(SHORT.vocab_size) - 0.1  # it starts from a near-uniform guess (2.781 vs 2.773)
+    # 30 steps get within 0.054 nats of the floor (measured); log V - floor is about 1.1 nats, so
+    # 0.25 still demands most of the way while leaving room for another machine's rounding.
     assert result.held_out_loss < SHORT.floor() + 0.25
     learned = torch.tensor(result.learned_transition, dtype=torch.float64)
     assert learned.shape == (SHORT.vocab_size, SHORT.vocab_size)

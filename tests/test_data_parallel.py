@@ -13,8 +13,12 @@ from helpers import processes_running
 import torch
 
 from dmuon_edu import course
-from dmuon_edu.data_parallel import ADAMW_TOLERANCE, Problem
+from dmuon_edu.data_parallel import Problem
 from dmuon_edu.launch import RankFailedError, torchrun
+
+# The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
+# the tests fix the same bound here, so that loosening the package's does not loosen them.
+ADAMW_TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.torchrun
 
@@ -84,7 +88,7 @@ def test_a_failing_rank_is_named_with_its_exception_quickly_and_nothing_is_left_
     start = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
         torchrun(DIST / "raise_on_rank1.py", nproc=2, echo=False, timeout=60)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30  # a launch costs 3-6 s here; a hang would run to the 60 s timeout
     assert failure.value.rank == 1
     assert failure.value.exception == "ValueError: injected failure on rank 1"
     assert "rank 1 failed: ValueError: injected failure on rank 1" in str(failure.value)

@@ -193,7 +193,7 @@ def test_input_is_not_modified_unless_overwrite_input(G):
     assert all(torch.equal(o, k) for o, k in zip(matrices(overwritten), matrices(kept)))
     if isinstance(G, torch.Tensor):  # a list may be stacked into a copy first, which is what gets overwritten
         for g, b in zip(matrices(G), before):  # now G / ||G||_F, per matrix (the bf16 rounding comes after)
-            assert torch.allclose(g, b / torch.linalg.vector_norm(b), rtol=1e-6, atol=1e-7)
+            assert torch.allclose(g, b / torch.linalg.vector_norm(b), rtol=1e-6, atol=1e-7)  # float32 norms
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def test_the_training_panel_follows_the_learning_rate_and_n():
 
     widget.accum_steps.value = 2
     curves = lines(widget.figure, 1)
-    assert list(curves[CORRECT_LABEL].get_ydata()) == pytest.approx(list(correct), rel=1e-4)  # does not depend on N
+    assert list(curves[CORRECT_LABEL].get_ydata()) == pytest.approx(list(correct), rel=1e-4)  # does not depend on N (up to float32 reordering)
     assert math.isfinite(curves[UNSCALED_LABEL].get_ydata()[-1])
 
 

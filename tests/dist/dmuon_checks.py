@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu import distributed, dmuon, muon
+from dmuon_edu.dmuon_problem import is_dedicated as predicate, per_rank
 
 IN, D, H, OUT, LAYERS = 5, 16, 32, 3, 3
 HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original", ns_steps=5)
@@ -31,10 +32,6 @@ MAX_NORM = 0.5
 DEVICE = ["cpu"]  # the mesh's device: cpu with gloo, cuda with NCCL (set in main)
 K = 3  # micro-batches per optimizer step
 STEPS = 3
-
-
-def predicate(name, p):
-    return "proj" in name and p.ndim == 2
 
 
 class Block(nn.Module):
@@ -68,12 +65,6 @@ class Net(nn.Module):
 
 def report(name, **measured):
     distributed.print0("CHECK " + json.dumps({"name": name, "nproc": dist.get_world_size(), **measured}))
-
-
-def all_ranks(value):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def window(step, rank, world):
@@ -168,9 +159,9 @@ def check_equivalence(mesh, zero3, use_no_sync):
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
     report(f"equivalence_{label}", max_abs_diff=max_diff, largest_change=moved, steps=STEPS, k=K,
            clip_norm_rel_diff=max_norm_rel, clipped_steps=int(clipped))
-    comm_all = all_ranks(comm)
+    comm_all = per_rank(comm)
     report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync)
-    report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in all_ranks(storage)))
+    report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in per_rank(storage)))
 
 
 def _initial_params():
@@ -197,7 +188,7 @@ def check_structure(mesh):
            others_not_sharded=[n for n in is_dtensor if n not in dedicated and not is_dtensor[n]],
            dedicated=len(dedicated))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if predicate(n, p)}
-    everyone = all_ranks(dmuon.ownership(model))
+    everyone = per_rank(dmuon.ownership(model))
     report("ownership", same_on_every_rank=all(o == everyone[0] for o in everyone),
            equals_plan=everyone[0] == dmuon.plan_owners(shapes, world),
            owners_used=sorted(set(everyone[0].values())))
@@ -226,8 +217,8 @@ def check_structure(mesh):
     opt.zero_grad()
     cleared = all(p._reduced_grad is None and p._accumulated_grad is None for p in state.params.values()) and all(
         p.grad is None for p in model.parameters())
-    report("zero_grad", merged_and_reduced=all(all_ranks(merged)), fsdp_had_grads=fsdp_grads,
-           cleared_every_rank=all(all_ranks(cleared)))
+    report("zero_grad", merged_and_reduced=all(per_rank(merged)), fsdp_had_grads=fsdp_grads,
+           cleared_every_rank=all(per_rank(cleared)))
 
     # Z2 residency: resident from the first forward through the window, released by step().
     model, opt = build(mesh, zero3=False)
@@ -240,8 +231,8 @@ def check_structure(mesh):
     resident.append(all(p.untyped_storage().nbytes() > 0 for p in state.params.values()))
     opt.step()
     opt.zero_grad()
-    report("z2_residency", resident_through_window=all(all(r) for r in all_ranks(resident)),
-           released_by_step=all(all_ranks(_storage_ok(model))))
+    report("z2_residency", resident_through_window=all(all(r) for r in per_rank(resident)),
+           released_by_step=all(per_rank(_storage_ok(model))))
 
 
 def check_state_dict(mesh, directory):

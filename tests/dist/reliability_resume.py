@@ -20,6 +20,7 @@ same whatever the world size (each rank takes a contiguous slice), and Newton-Sc
 runs in float32, so runs on different world sizes differ only by the order of sums.
 """
 
+import contextlib
 import json
 import sys
 import warnings
@@ -34,15 +35,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu import checkpoint, distributed, dmuon
+from dmuon_edu.dmuon_problem import is_dedicated as predicate, per_rank
 
 IN, D, H, OUT, LAYERS = 6, 16, 24, 3, 2
 GLOBAL_BATCH, MICRO = 24, 2  # samples per optimizer step; micro-batches per step on each rank
 STEPS, SAVE_AT = 5, 2
 FULL = dmuon.StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def predicate(name, p):
-    return "proj" in name and p.ndim == 2
 
 
 class Block(nn.Module):
@@ -92,7 +90,7 @@ def train_step(model, opt, sched, step, poison=None):
         x[0, 0] = float("inf")
     for j, (xs, ys) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
         last = j == MICRO - 1
-        with dmuon.no_sync(model) if not last else _nothing():
+        with dmuon.no_sync(model) if not last else contextlib.nullcontext():
             loss = F.mse_loss(model(xs), ys, reduction="sum") * world / (GLOBAL_BATCH * OUT)
             loss.backward()
     dmuon.clip_grad_norm_(model, 1.0)
@@ -102,14 +100,6 @@ def train_step(model, opt, sched, step, poison=None):
     opt.step()
     sched.step()
     opt.zero_grad()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def full_state(model, opt, sched):
@@ -190,12 +180,6 @@ def save(mesh, directory):
     resume(mesh, directory, world)
 
 
-def all_ranks(value):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
 def error_of(fn):
     try:
         fn()
@@ -207,7 +191,7 @@ def error_of(fn):
 def misuse(mesh):
     # A mesh over fewer ranks than the process group (init_device_mesh accepts it without a word).
     small = init_device_mesh(mesh.device_type, (1,))
-    errors = all_ranks(error_of(lambda: dmuon.dedicate_params(Net(), small, predicate)))
+    errors = per_rank(error_of(lambda: dmuon.dedicate_params(Net(), small, predicate)))
     report("misuse_mesh_not_matching_process_group", errors=errors)
 
     # optimizer.step() inside no_sync.
@@ -216,7 +200,7 @@ def misuse(mesh):
         with dmuon.no_sync(model):
             model(torch.randn(4, IN)).sum().backward()
             opt.step()
-    report("misuse_step_inside_no_sync", errors=all_ranks(error_of(step_inside_no_sync)))
+    report("misuse_step_inside_no_sync", errors=per_rank(error_of(step_inside_no_sync)))
     opt.zero_grad()
 
     # Non-finite gradients, on one rank only: every rank skips the step; weights never become NaN.
@@ -234,8 +218,8 @@ def misuse(mesh):
         train_step(model, opt, sched, 2)
         final = full_state(model, opt, sched)
         moved = differences(after["model"], final["model"])[0]
-        report(f"misuse_non_finite_gradients_{poison}", warned_every_rank=all_ranks(messages),
-               skipped_steps=all_ranks(opt.skipped_steps), weights_unchanged=weights_same,
+        report(f"misuse_non_finite_gradients_{poison}", warned_every_rank=per_rank(messages),
+               skipped_steps=per_rank(opt.skipped_steps), weights_unchanged=weights_same,
                optimizer_state_unchanged=optim_same, next_step_moved=moved,
                finite_after_next_step=all(torch.isfinite(v).all().item() for v in final["model"].values()))
 
