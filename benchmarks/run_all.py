@@ -46,7 +46,7 @@ import bench_muon  # noqa: E402
 
 from dmuon_edu import capstone  # noqa: E402
 from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
-from dmuon_edu.gpt import GPT, GPTConfig  # noqa: E402
+from dmuon_edu.course.gpt import GPT, GPTConfig  # noqa: E402
 from dmuon_edu.launch import RankFailedError, torchrun  # noqa: E402
 from dmuon_edu.memory import peak_memory_bytes  # noqa: E402
 from dmuon_edu.newton_schulz import batching_pays, newton_schulz  # noqa: E402

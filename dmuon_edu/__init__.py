@@ -1,17 +1,22 @@
 """dmuon_edu: gradient accumulation and distributed Muon, from one device to many.
 
-The core, in the order the course builds it (imports flow one way):
+The library (this package, outside ``dmuon_edu.course``) depends on torch and tqdm
+only. Its modules, in the order they build on each other (each imports only modules
+listed before it; tests/test_layout.py keeps it so):
 
 - ``accumulation``: loss-scaled gradient accumulation on one device, and a training loop.
-- ``newton_schulz``: Newton-Schulz orthogonalisation, three coefficient sets.
+- ``newton_schulz``: Newton-Schulz orthogonalisation, with three coefficient sets.
+- ``compare`` (parameter differences between two runs) and ``memory`` (peak memory of
+  a piece of work).
 - ``muon``: Muon on one device, and the Muon/AdamW parameter split.
-- ``dmuon``: distributed Muon with owner ranks, no_sync and Z2/Z3 (``from dmuon_edu import dmuon``).
+- ``distributed``: joining torchrun's process group, a rank-0 print, collective counts.
+- ``checkpoint``: torch.distributed.checkpoint with a completion marker.
+- ``launch``: torchrun from Python (a notebook cell, a test), with timeouts.
+- ``dmuon``: distributed Muon with owner ranks, ``no_sync`` and Z2/Z3
+  (``from dmuon_edu import dmuon``).
 
-Around it: ``data`` (generated token text), ``memory`` (peak memory), ``compare``
-(parameter differences), ``launch`` (torchrun from a notebook), ``distributed``
-(process group, rank-0 print, collective counts), ``data_parallel`` (the module 5
-problem and baseline), ``pitfalls`` (the classic bugs, runnable), ``widgets``,
-``checks`` (the self-checks) and ``course`` (learner notebooks and grading).
+``dmuon_edu.course`` is built on top of the library and is not part of it: it imports
+the library, and the library never imports it.
 """
 
 from dmuon_edu.accumulation import accumulation_windows, summed_token_loss, train, train_step_with_accumulation

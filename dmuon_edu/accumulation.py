@@ -46,27 +46,50 @@ def train_step_with_accumulation(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> float:
-    """One optimizer step accumulated over ``microbatches``; returns the window's mean loss.
+    r"""One optimizer step accumulated over ``microbatches``; returns the window's mean loss.
 
-    ``microbatches`` is a list of ``(inputs, targets)`` pairs; ``targets`` is a
-    tensor whose first dimension counts the micro-batch's samples. ``model`` is
-    anything that maps ``inputs`` to predictions (wrap it to add autocast).
+    Runs forward and backward on each micro-batch, with its loss scaled so that the
+    gradients add up to the gradient of the whole window's mean loss, then steps once.
+    The update therefore equals one step on the concatenated batch:
 
-    ``loss_fn(predictions, targets)`` returns either
+    .. math::
 
-    - a scalar *mean* loss: each micro-batch is weighted by its share of the
-      window's samples, or
-    - a pair ``(sum_loss, num_items)``, e.g. summed over non-padding tokens
-      (see :func:`summed_token_loss`): the window's loss is the total sum over
-      the total count.
+        \nabla L = \sum_i \frac{n_i}{\sum_j n_j} \nabla L_i \quad\text{(mean losses)},
+        \qquad
+        \nabla L = \frac{\sum_i \nabla S_i}{\sum_j c_j} \quad\text{(summed losses)}
 
-    Either way the update equals one step on the concatenated batch.
+    where :math:`L_i` is micro-batch i's mean loss over its :math:`n_i` samples, and
+    :math:`S_i` its summed loss over :math:`c_i` items.
 
-    - ``max_grad_norm``: clip the window's gradient once, after the last
-      backward (and after unscaling, with a scaler).
-    - ``scheduler``: stepped once, after the optimizer step.
-    - ``scaler``: an AMP ``torch.amp.GradScaler``; one loss scale for the whole
-      window, ``unscale_`` once, ``scaler.step`` and ``scaler.update`` once.
+    Args:
+        model: anything that maps ``inputs`` to predictions (an nn.Module, or a function
+            that wraps one, e.g. to add autocast).
+        optimizer: the optimizer to step. Its gradients are zeroed first.
+        microbatches: a list of ``(inputs, targets)`` pairs; the first dimension of
+            ``targets`` counts the micro-batch's samples.
+        loss_fn: ``loss_fn(predictions, targets)`` returning either a scalar *mean* loss
+            (each micro-batch is weighted by its share of the window's samples), or a
+            pair ``(sum_loss, num_items)``, e.g. summed over non-padding tokens (see
+            :func:`summed_token_loss`), in which case the window's loss is the total sum
+            over the total count.
+        max_grad_norm: if given, clip the window's gradient to this 2-norm once, after
+            the last backward (and after unscaling, with a scaler).
+        scheduler: if given, stepped once, after the optimizer step.
+        scaler: an AMP ``torch.amp.GradScaler``: one loss scale for the whole window,
+            ``unscale_`` once, then ``scaler.step`` and ``scaler.update`` once.
+
+    Returns:
+        The window's mean loss as a float: sample-weighted for mean losses, total sum
+        over total count for summed losses.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable, or ``microbatches`` is not a list of
+            ``(inputs, targets)`` pairs with tensor targets.
+        ValueError: ``microbatches`` or one of them is empty, ``max_grad_norm`` is not
+            positive, ``loss_fn`` returns a non-scalar or mixes means and pairs, or a
+            window of summed losses counts no item.
+        RuntimeError: ``scaler`` has already unscaled or stepped this optimizer since
+            its last ``update()``.
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -158,8 +181,16 @@ class _Window:
 def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Cross-entropy summed over the non-padding tokens, and their count.
 
-    ``logits`` is (..., vocab), ``targets`` the matching token ids with padding
-    marked ``IGNORE_INDEX``. Pass it as ``loss_fn`` to accumulate over tokens.
+    Pass it as ``loss_fn`` to :func:`train_step_with_accumulation` to weight every token
+    of a window equally, whatever the number of tokens per micro-batch.
+
+    Args:
+        logits: predictions of shape (..., vocab).
+        targets: token ids of shape (...), with padding marked ``IGNORE_INDEX`` (-100).
+
+    Returns:
+        ``(sum_loss, num_items)``: the summed cross-entropy (a scalar tensor) and the
+        number of non-padding targets (an int).
     """
     loss_sum = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -172,19 +203,29 @@ def accumulation_windows(batches: Iterable, accum_steps: int) -> Iterator[list]:
 
     A short last window is kept, not dropped: with the weighting of
     :func:`train_step_with_accumulation` it gets its full weight.
+
+    Args:
+        batches: any iterable of micro-batches (a DataLoader, a list, a generator).
+        accum_steps: micro-batches per optimizer step, an int >= 1.
+
+    Returns:
+        An iterator of lists of micro-batches, lazily: ``batches`` is read as it goes.
+
+    Raises:
+        ValueError: ``accum_steps`` is not an int >= 1.
     """
     require_accum_steps(accum_steps)
     return _windows(iter(batches), accum_steps)
 
 
 def require_accum_steps(accum_steps) -> None:
-    """Refuse anything but an int >= 1 as a number of micro-batches per optimizer step."""
+    """Raise ValueError unless ``accum_steps`` (micro-batches per optimizer step) is an int >= 1."""
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step), got {accum_steps!r}")
 
 
 def require_max_grad_norm(max_grad_norm) -> None:
-    """Refuse a clipping threshold that is not positive (None means no clipping)."""
+    """Raise ValueError unless ``max_grad_norm`` is positive or None (no clipping)."""
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}")
 
@@ -212,10 +253,24 @@ def train(
     scaler: torch.amp.GradScaler | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """One pass over ``loader``, ``accum_steps`` batches per optimizer step; returns each step's loss.
+    """One pass over ``loader``, ``accum_steps`` batches per optimizer step.
 
-    The last window may be short and still counts fully. ``progress`` shows a
-    tqdm bar (a widget in Jupyter, text in a terminal).
+    Each window goes through :func:`train_step_with_accumulation`; the last window may
+    be short and still counts fully.
+
+    Args:
+        model, optimizer, loss_fn, max_grad_norm, scheduler, scaler: as in
+            :func:`train_step_with_accumulation`.
+        loader: an iterable of ``(inputs, targets)`` micro-batches.
+        accum_steps: micro-batches per optimizer step, an int >= 1.
+        progress: show a tqdm bar (a widget in Jupyter, text in a terminal).
+
+    Returns:
+        Each optimizer step's mean loss, in order.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: as :func:`train_step_with_accumulation`
+        and :func:`accumulation_windows` do.
     """
     windows = accumulation_windows(loader, accum_steps)
     total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None

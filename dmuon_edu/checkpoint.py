@@ -42,14 +42,24 @@ class IncompleteCheckpointError(RuntimeError):
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a checkpoint whose save finished on every rank."""
+    """Whether ``path`` holds a checkpoint whose save finished on every rank (it has the marker)."""
     return (Path(path) / MARKER).is_file()
 
 
 def save(state: dict[str, Any], path: str | os.PathLike) -> None:
     """Save ``state`` with torch.distributed.checkpoint into the directory ``path``, then mark it complete.
 
-    A collective when a process group exists: every rank calls it with its own state dict.
+    A collective when a process group exists: every rank calls it with its own state
+    dict. Saving over an existing checkpoint removes its marker first, so that an
+    interrupted save never leaves a directory that looks complete.
+
+    Args:
+        state: a dict of state dicts, e.g. ``{"model": ..., "optim": ...}``, as
+            ``torch.distributed.checkpoint.save`` takes it.
+        path: the checkpoint directory (created if needed).
+
+    Raises:
+        TypeError: ``state`` is not a dict.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of state dicts, e.g. {{'model': ..., 'optim': ...}}; got {type(state).__name__}")
@@ -74,9 +84,19 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> None:
 def load(state: dict[str, Any], path: str | os.PathLike) -> None:
     """Fill ``state`` in place from the complete checkpoint at ``path`` (any world size's).
 
-    ``state`` must already hold every entry to load, e.g. the state dicts of a freshly
-    built model and optimizer. Raises FileNotFoundError for a missing directory and
-    IncompleteCheckpointError for a save that never finished.
+    A collective when a process group exists.
+
+    Args:
+        state: the dict to fill, already holding every entry to load, e.g. the state
+            dicts of a freshly built model and optimizer (``torch.distributed.checkpoint.load``
+            loads in place).
+        path: a directory that :func:`save` wrote.
+
+    Raises:
+        TypeError: ``state`` is not a dict.
+        FileNotFoundError: there is no directory at ``path``.
+        IncompleteCheckpointError: the directory has no completion marker: its save
+            never finished.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict to fill in place, e.g. {{'model': ..., 'optim': ...}}; got {type(state).__name__}")
@@ -93,7 +113,12 @@ def load(state: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The most recently completed checkpoint directory under ``root``, or None if there is none."""
+    """The most recently completed checkpoint directory directly under ``root``.
+
+    Returns:
+        The directory whose marker is newest, or None if ``root`` holds no complete
+        checkpoint (or does not exist).
+    """
     root = Path(root)
     found = [d for d in root.iterdir() if d.is_dir() and is_complete(d)] if root.is_dir() else []
     return max(found, key=lambda d: (d / MARKER).stat().st_mtime_ns, default=None)

@@ -1,4 +1,4 @@
-"""Comparing two runs parameter by parameter: how every equivalence in the course is proven."""
+"""Comparing two runs parameter by parameter: the measure of every equivalence between two training runs."""
 
 from __future__ import annotations
 
@@ -12,9 +12,23 @@ __all__ = ["max_parameter_difference"]
 def max_parameter_difference(
     a: torch.nn.Module | Iterable[torch.Tensor], b: torch.nn.Module | Iterable[torch.Tensor]
 ) -> float:
-    """Largest absolute difference between corresponding parameters of two models (or state_dicts, or tensor lists).
+    r"""Largest absolute difference between corresponding parameters of two models.
 
-    Two state_dicts are matched by key.
+    .. math::  \max_k \max_{ij} |a_{k,ij} - b_{k,ij}|
+
+    computed in float32, on ``a``'s device.
+
+    Args:
+        a, b: two nn.Modules (their ``parameters()``, in order), two state_dicts
+            (matched by key), or two sequences of tensors (matched by position).
+
+    Returns:
+        The largest difference, as a float (0.0 for identical runs).
+
+    Raises:
+        TypeError: a single tensor, or something that holds non-tensors, was passed.
+        ValueError: the state_dicts' keys differ, or the two sides hold different
+            numbers or shapes of tensors.
     """
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if a.keys() != b.keys():

@@ -1,4 +1,4 @@
-"""What every torchrun script of the course needs: a process group, a rank-0 print, a collective counter.
+"""Joining torchrun's process group, printing once, and counting collectives.
 
     from dmuon_edu import distributed
 
@@ -6,19 +6,16 @@
         ...
         distributed.print0(f"world size {ranks.world_size}")
 
-Counting collectives is how the course proves "one all-reduce per window":
-:func:`count_collectives` sees every c10d collective this process takes part
-in, including those that DDP and FSDP2 issue from C++ (they all pass through
-the dispatcher's ``c10d`` ops).
+:func:`count_collectives` sees every c10d collective this process takes part in,
+including those that DDP and FSDP2 issue from C++ (they all pass through the
+dispatcher's ``c10d`` ops): the way to check "one all-reduce per optimizer step".
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import os
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ranks", "session", "leave_together", "print0", "count_collectives", "CollectiveCounts"]
+__all__ = ["Ranks", "session", "print0", "count_collectives", "CollectiveCounts", "COLLECTIVE_TIMEOUT_S"]
 
 # Every collective wait gives up after this long instead of hanging forever.
 COLLECTIVE_TIMEOUT_S = 60
@@ -35,6 +32,8 @@ COLLECTIVE_TIMEOUT_S = 60
 
 @dataclass(frozen=True)
 class Ranks:
+    """Where this process stands in the job: what :func:`session` yields."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -46,17 +45,36 @@ class Ranks:
 def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
     """Join torchrun's process group for the duration of the block.
 
-    The backend follows the hardware: NCCL when CUDA has a GPU for every local
-    rank, gloo (CPU) otherwise. Collectives time out after ``timeout_s``.
-    After a clean end of the block the ranks wait for each other, and the
-    process exits without tearing the group down when the script ends (see
-    _exit_without_native_teardown): keep the work inside the block.
+    The backend follows the hardware: NCCL when CUDA has a GPU for every local rank
+    (each rank then uses ``cuda:LOCAL_RANK``), gloo on the CPU otherwise. Every
+    collective gives up after ``timeout_s`` instead of hanging.
+
+    When the block ends cleanly, the ranks wait for each other (a barrier, so that
+    no rank leaves while a peer still finishes its last collective) and the process
+    group is destroyed. When the block raises, the exception propagates at once,
+    without waiting: the failing rank exits and torchrun stops the others.
+    Nothing else about the process changes: exception hooks, atexit handlers and
+    the interpreter's exit are the script's own.
+
+    Args:
+        timeout_s: seconds a collective may wait for the other ranks (> 0).
+
+    Yields:
+        :class:`Ranks`: this process's rank, the world size, its local rank, its
+        device and the backend.
+
+    Raises:
+        RuntimeError: the script was not started by torchrun (no ``RANK`` in the
+            environment).
+        ValueError: ``timeout_s`` is not a positive number.
     """
     if "RANK" not in os.environ:
         raise RuntimeError(
             "not started by torchrun: run this script with dmuon_edu.launch.torchrun(path, nproc=2) "
             "or `torchrun --nproc-per-node=2 script.py`"
         )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -66,53 +84,14 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     yield Ranks(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-    # An exception skips this, so the failing rank exits at once and torchrun stops the others.
-    leave_together()
-
-
-def leave_together() -> None:
-    """Wait for every rank, then let the script end without tearing the process group down.
-
-    ``session()`` calls this when its block ends cleanly. A script that opens its
-    process group itself (as seed 000's loop does) calls it as its last line
-    instead of ``dist.destroy_process_group()``.
-
-    Waiting first matters: a rank that exits while a peer is still finishing its
-    last collective can abort that peer.
-    """
+    # Reached only when the block ended cleanly.
     dist.barrier()
-    _exit_without_native_teardown()
-
-
-def _exit_without_native_teardown() -> None:
-    """At the end of the script, end the process without tearing the process group down.
-
-    With torch 2.13 and gloo, tearing down a process group (destroy_process_group,
-    or the interpreter destroying what still refers to it: a device mesh, FSDP2's
-    state) now and then aborts a rank after all its work is done ("terminate
-    called without an active exception", SIGABRT): about one run in ten of the
-    module 6 scripts. Exiting the process releases everything anyway, so once
-    the session has ended cleanly the script's end exits with os._exit, after
-    flushing its output: status 0, or 1 if the script raised afterwards.
-    """
-    raised = []
-    previous_hook = sys.excepthook
-
-    def remember_failure(*exc_info):
-        raised.append(exc_info[0])
-        previous_hook(*exc_info)
-
-    def exit_now():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1 if raised else 0)
-
-    sys.excepthook = remember_failure
-    atexit.register(exit_now)
+    dist.destroy_process_group()
 
 
 def print0(*args, **kwargs) -> None:
-    """print() on rank 0 only, so that output does not interleave across ranks."""
+    """``print(*args, **kwargs, flush=True)`` on rank 0 only (everywhere without a process group),
+    so that output does not interleave across ranks."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
@@ -159,7 +138,9 @@ class CollectiveCounts(TorchDispatchMode):
 
 
 def count_collectives() -> CollectiveCounts:
-    """``with count_collectives() as counts: ...`` then read ``counts.calls`` and ``counts.bytes``."""
+    """A fresh :class:`CollectiveCounts`: ``with count_collectives() as counts: ...``, then read
+    ``counts.calls[name]`` and ``counts.bytes[name]`` (names such as "all_reduce", "broadcast",
+    "reduce", "all_gather", "reduce_scatter"). A counter can be entered several times; its counts add up."""
     return CollectiveCounts()
 
 

@@ -1,6 +1,6 @@
 """Run a script under torchrun from a notebook cell or a test, and never hang.
 
-    result = torchrun("solutions/scripts/05_ddp_no_sync.py", nproc=2)
+    result = torchrun("train.py", nproc=2, args=["--steps", "10"])
 
 torchrun (``python -m torch.distributed.run``) starts ``nproc`` ranks on this
 machine (``--standalone`` picks a free port). Each rank's output is printed as
@@ -67,6 +67,7 @@ class LaunchResult:
     launcher_log: list[str] = field(default_factory=list)
 
     def stdout(self, rank: int = 0) -> str:
+        """Everything ``rank`` printed, one string (empty if it printed nothing)."""
         return "\n".join(self.output.get(rank, []))
 
 
@@ -78,9 +79,28 @@ def torchrun(
     env: dict[str, str] | None = None,
     echo: bool = True,
 ) -> LaunchResult:
-    """Run ``script`` on ``nproc`` local ranks; return their output, or raise naming the failed rank.
+    """Run ``script`` on ``nproc`` local ranks with torchrun; return their output, or raise naming the failed rank.
 
-    ``echo`` prints each rank's lines as they arrive (``[rank r] ...``).
+    Args:
+        script: path of the Python file to run on every rank.
+        nproc: number of ranks (processes) on this machine, an int >= 1.
+        args: command-line arguments for the script, as a list (``["--steps", "3"]``).
+        timeout: seconds after which the whole job (torchrun and every rank) is killed.
+        env: environment variables to add for the ranks. ``OMP_NUM_THREADS`` defaults
+            to the number of cores divided by ``nproc``.
+        echo: print each rank's lines as they arrive, tagged ``[rank r]``; a traceback
+            shows as its last frame and its exception.
+
+    Returns:
+        A :class:`LaunchResult` with every rank's output lines.
+
+    Raises:
+        FileNotFoundError: there is no file at ``script``.
+        ValueError: ``nproc`` is not an int >= 1, or ``timeout`` is not positive.
+        TypeError: ``args`` is one string rather than a list.
+        RankFailedError: a rank failed; the error names it and its exception, or the
+            signal or exit code that ended it.
+        TimeoutError: the job outlived ``timeout``; every process of it was killed.
     """
     script = Path(script)
     if not script.is_file():

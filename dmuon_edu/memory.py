@@ -28,7 +28,20 @@ __all__ = ["peak_memory_bytes"]
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: str | torch.device = "cpu") -> int:
-    """Largest number of bytes allocated on ``device`` above the level at the call."""
+    """Largest number of bytes allocated on ``device`` above the level at the call, while ``fn`` runs.
+
+    Args:
+        fn: the work to measure, a callable taking no arguments (its result is dropped).
+        device: "cpu" or a CUDA device. On CPU only the calling thread's allocations
+            count.
+
+    Returns:
+        The peak, in bytes, above what was allocated when ``fn`` started.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``device`` is neither a CPU nor a CUDA device.
+    """
     if not callable(fn):
         raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
     device = torch.device(device)

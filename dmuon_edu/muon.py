@@ -29,6 +29,9 @@ from torch import nn
 
 from .newton_schulz import batching_pays, newton_schulz
 
+__all__ = ["Muon", "muon_param_groups", "check_hyperparameters", "ADJUST_LR_FNS"]
+
+# adjust_lr_fn name -> s(m, n), the factor on the learning rate for an (m, n) matrix.
 ADJUST_LR_FNS = {
     "original": lambda m, n: math.sqrt(max(1.0, m / n)),
     "match_rms_adamw": lambda m, n: 0.2 * math.sqrt(max(m, n)),
@@ -49,7 +52,12 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz steps (>= 1), Keller Jordan's coefficients.
         ns_dtype: precision of the Newton-Schulz products. bf16 is what every peer
             uses; torch.float32 makes the step match a float64 evaluation of the
-            update to float32 accuracy (for tests and teaching).
+            update to float32 accuracy (for reference computations).
+
+    Raises:
+        TypeError: ``params`` is a set, a parameter is not real floating point, or a
+            hyperparameter has the wrong type.
+        ValueError: a parameter is not 2-D, or a hyperparameter is out of range.
 
     Behaviour worth knowing:
 
@@ -93,7 +101,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_dtype=ns_dtype,
         )
-        _check_hyperparameters(defaults)
+        check_hyperparameters(defaults)
         if isinstance(params, set):
             raise TypeError("params must be a list, not a set: state_dict relies on their order")
         super().__init__(params, defaults)
@@ -115,7 +123,7 @@ class Muon(torch.optim.Optimizer):
                     f"{tuple(p.shape)}. A {p.ndim}-D parameter belongs to AdamW; use "
                     "muon_param_groups(model) to split a model's parameters."
                 )
-        _check_hyperparameters({**self.defaults, **param_group})
+        check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
     @torch.no_grad()
@@ -201,7 +209,12 @@ def _with_finite_grads(params: list[torch.Tensor], one_at_a_time: bool = False) 
             )
 
 
-def _check_hyperparameters(h: dict) -> None:
+def check_hyperparameters(h: dict) -> None:
+    """Raise TypeError or ValueError, naming the key, unless ``h`` holds valid Muon hyperparameters.
+
+    ``h`` maps lr, momentum, nesterov, weight_decay, adjust_lr_fn, ns_steps and ns_dtype
+    to values, as a Muon param group does.
+    """
     def number(name):
         v = h[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -243,6 +256,10 @@ def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
     2-D weights that are not an nn.Linear's (nn.MultiheadAttention's in_proj_weight, a
     hand-made nn.Parameter) go to AdamW too: hand them to Muon yourself if they are
     hidden matrices.
+
+    Returns:
+        ``(muon_params, adamw_params)``: two lists that together hold every parameter
+        of ``model`` once, in ``model.parameters()`` order.
 
     Example::
 

@@ -71,6 +71,8 @@ from collections.abc import Sequence
 
 import torch
 
+__all__ = ["newton_schulz", "batching_pays", "COEFFICIENTS", "JORDAN", "YOU", "POLAR_EXPRESS"]
+
 Coefficients = tuple[float, float, float]
 
 JORDAN: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
@@ -154,6 +156,12 @@ def newton_schulz(
 
     Returns:
         In ``dtype``: a tensor of G's shape, or a list of matrices for a list.
+
+    Raises:
+        TypeError: ``G`` holds something other than floating-point tensors, or
+            ``steps``, ``coefficients``, ``dtype`` or ``overwrite_input`` has the wrong type.
+        ValueError: ``steps < 1``, ``eps`` is negative, a coefficient name is unknown,
+            the batch is empty, a matrix is not 2-D, or a batch mixes shapes or devices.
     """
     if isinstance(steps, bool) or not isinstance(steps, int):
         raise TypeError(f"steps must be an int, got {type(steps).__name__}")
@@ -180,11 +188,18 @@ def newton_schulz(
 
 
 def batching_pays(matrix: torch.Tensor) -> bool:
-    """Whether same-shape matrices like this one should go through one batched call.
+    """Whether same-shape matrices like ``matrix`` should go through one batched call.
 
-    Decided by whole Muon steps (see CPU_BATCH_MAX_ELEMENTS), where batching large CPU
-    matrices means forming all their updates at once; Newton-Schulz alone on a ready
-    batch gains a little from batching at most sizes on CPU.
+    True on every device but the CPU, and on the CPU for matrices of at most
+    CPU_BATCH_MAX_ELEMENTS entries. Decided by whole Muon steps, where batching large
+    CPU matrices means forming all their updates at once; Newton-Schulz alone on a
+    ready batch gains a little from batching at most sizes on CPU.
+
+    Args:
+        matrix: one matrix of the batch (only its device and size are read).
+
+    Returns:
+        True to batch, False to go one matrix at a time.
     """
     return matrix.device.type != "cpu" or matrix.numel() <= CPU_BATCH_MAX_ELEMENTS
 

@@ -18,10 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon_edu
-from dmuon_edu import checkpoint, distributed, dmuon, muon, widgets
-from dmuon_edu.checks import run_check
-from dmuon_edu.data import MarkovSource, lm_batch
-from dmuon_edu.dmuon_problem import is_dedicated
+from dmuon_edu import checkpoint, distributed, dmuon, muon
+from dmuon_edu.course import widgets
+from dmuon_edu.course.checks import run_check
+from dmuon_edu.course.data import MarkovSource, lm_batch
+from dmuon_edu.course.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
 from dmuon_edu.newton_schulz import newton_schulz
 

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from dmuon_edu import capstone
-from dmuon_edu.capstone import Capstone, counted_bytes_per_step, run_single_process, single_process_optimizers, train
-from dmuon_edu.checks import run_check
+from dmuon_edu.course import capstone
+from dmuon_edu.course.capstone import Capstone, counted_bytes_per_step, run_single_process, single_process_optimizers, train
+from dmuon_edu.course.checks import run_check
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data import MarkovSource
-from dmuon_edu.gpt import is_hidden_matrix
+from dmuon_edu.course.data import MarkovSource
+from dmuon_edu.course.gpt import is_hidden_matrix
 from dmuon_edu.launch import torchrun
 
 SHORT = Capstone(steps=30)

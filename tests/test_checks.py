@@ -1,7 +1,7 @@
 """The self-check recognises a correct answer and names each common mistake.
 
 The wrong answers here are written the way a learner writes them, not taken
-from dmuon_edu.pitfalls, so that the checker is tested against code it has
+from dmuon_edu.course.pitfalls, so that the checker is tested against code it has
 never seen.
 """
 
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from dmuon_edu.checks import RESULT_LINE, check, run_check
+from dmuon_edu.course.checks import RESULT_LINE, check, run_check
 
 
 def learner_correct(model, optimizer, microbatches, loss_fn):
@@ -278,7 +278,7 @@ def test_muon_step_verdicts(candidate, status, hint):
 
 
 def test_missing_script_results_give_one_friendly_line(tmp_path):
-    from dmuon_edu.checks import ExerciseNotDone, load_script_results
+    from dmuon_edu.course.checks import ExerciseNotDone, load_script_results
 
     with pytest.raises(ExerciseNotDone) as missing:
         load_script_results(tmp_path / "fsdp2.json")

@@ -7,21 +7,21 @@ import sys
 import nbformat
 import pytest
 
-from dmuon_edu import course
+from dmuon_edu.course import grading, notebooks
 
-SOLUTION_NOTEBOOKS = sorted(course.SOLUTIONS.glob("*.ipynb"))
+SOLUTION_NOTEBOOKS = sorted(notebooks.SOLUTIONS.glob("*.ipynb"))
 
 
 def test_strip_solutions_keeps_the_marker_indent_and_the_rest():
     source = "def f(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION\n\nprint(f)\n"
-    stripped = course.strip_solutions(source)
-    assert stripped == f"def f(x):\n    raise NotImplementedError({course.STUB_MESSAGE!r})\n\nprint(f)"
+    stripped = notebooks.strip_solutions(source)
+    assert stripped == f"def f(x):\n    raise NotImplementedError({notebooks.STUB_MESSAGE!r})\n\nprint(f)"
     assert "2 * x" not in stripped
 
 
 def test_strip_solutions_handles_several_blocks():
     source = "### BEGIN SOLUTION\na = 1\n### END SOLUTION\nb = 2\n### BEGIN SOLUTION\nc = 3\n### END SOLUTION"
-    assert course.strip_solutions(source).count("NotImplementedError") == 2
+    assert notebooks.strip_solutions(source).count("NotImplementedError") == 2
 
 
 @pytest.mark.parametrize(
@@ -34,11 +34,11 @@ def test_strip_solutions_handles_several_blocks():
 )
 def test_unbalanced_markers_are_refused(source, message):
     with pytest.raises(ValueError, match=message):
-        course.strip_solutions(source, where="nb, cell 3")
+        notebooks.strip_solutions(source, where="nb, cell 3")
 
 
 def test_learner_notebooks_are_up_to_date():
-    stale = course.build(check_only=True)
+    stale = notebooks.build(check_only=True)
     assert not stale, f"notebooks/ is out of date ({[p.name for p in stale]}): run `make notebooks`"
 
 
@@ -57,17 +57,17 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
         assert cell.outputs or IGNORE_TAG in cell.metadata.get("tags", []) or not _prints(cell), (
             f"cell without stored output: run `make solutions`:\n{cell.source[:200]}"
         )
-    exercises = [i for i, cell in enumerate(code_cells) if course.BEGIN in cell.source]
-    scripts = sorted(course.SOLUTION_SCRIPTS.glob(f"{path.name[:2]}_*.py"))
+    exercises = [i for i, cell in enumerate(code_cells) if notebooks.BEGIN in cell.source]
+    scripts = sorted(notebooks.SOLUTION_SCRIPTS.glob(f"{path.name[:2]}_*.py"))
     assert exercises or scripts, "a module has at least one exercise, in its notebook or in its scripts"
     for script in scripts:
-        assert course.BEGIN in script.read_text(), f"{script.name} has no exercise block"
+        assert notebooks.BEGIN in script.read_text(), f"{script.name} has no exercise block"
         assert any(f'check_script("scripts/{script.name}"' in cell.source for cell in code_cells), (
             f"{path.name} never runs scripts/{script.name} with check_script"
         )
     for i in exercises:
         following = code_cells[i + 1].source if i + 1 < len(code_cells) else ""
-        assert course.CHECK_CALL.search(following), f"exercise cell {i} is not followed by a check cell"
+        assert grading.CHECK_CALL.search(following), f"exercise cell {i} is not followed by a check cell"
 
 
 # nbval reads NBVAL_IGNORE_OUTPUT as a source comment, or as this cell metadata tag.
@@ -94,7 +94,7 @@ def _prints(cell):
 
 # --- grading, end to end through a real kernel ----------------------------------------------
 
-LEARNER_01 = course.NOTEBOOKS / "01_loss_scaled_accumulation.ipynb"
+LEARNER_01 = notebooks.NOTEBOOKS / "01_loss_scaled_accumulation.ipynb"
 
 NO_SCALING = """
 def train_step_with_accumulation(model, optimizer, microbatches, loss_fn):
@@ -139,23 +139,23 @@ def _exercise_only(tmp_path, answer):
 # one-line ExerciseNotDone where a cell needs an unfinished script's numbers.
 NOTEBOOKS_WITH_CHECK_CELLS = [
     path for path in SOLUTION_NOTEBOOKS
-    if any(course.CHECK_CALL.search(cell.source) for cell in nbformat.read(path, as_version=4).cells)
+    if any(grading.CHECK_CALL.search(cell.source) for cell in nbformat.read(path, as_version=4).cells)
 ]
 
 
 @pytest.mark.parametrize("solution", NOTEBOOKS_WITH_CHECK_CELLS, ids=lambda p: p.stem)
 def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution):
     exercises = [
-        course.CHECK_CALL.search(cell.source).group(1)
+        grading.CHECK_CALL.search(cell.source).group(1)
         for cell in nbformat.read(solution, as_version=4).cells
-        if cell.cell_type == "code" and course.CHECK_CALL.search(cell.source)
+        if cell.cell_type == "code" and grading.CHECK_CALL.search(cell.source)
     ]
-    statuses = course.grade(course.NOTEBOOKS / solution.name)
+    statuses = grading.grade(notebooks.NOTEBOOKS / solution.name)
     assert [(s.exercise, s.status) for s in statuses] == [(name, "not attempted") for name in exercises]
 
 
 def test_a_missing_one_over_n_is_named(tmp_path):
-    [status] = course.grade(_exercise_only(tmp_path, NO_SCALING))
+    [status] = grading.grade(_exercise_only(tmp_path, NO_SCALING))
     assert status.status == "failed" and "N times too large" in status.hint
 
 
@@ -169,7 +169,7 @@ def test_check_command_prints_the_table_and_names_zero_grad_inside_the_loop(tmp_
 
 
 def test_the_solution_passes_its_check(tmp_path):
-    solution = nbformat.read(course.SOLUTIONS / LEARNER_01.name, as_version=4)
-    answer = next(cell.source for cell in solution.cells if course.BEGIN in cell.source)
-    [status] = course.grade(_exercise_only(tmp_path, answer))
+    solution = nbformat.read(notebooks.SOLUTIONS / LEARNER_01.name, as_version=4)
+    answer = next(cell.source for cell in solution.cells if notebooks.BEGIN in cell.source)
+    [status] = grading.grade(_exercise_only(tmp_path, answer))
     assert status.status == "passed", status.hint

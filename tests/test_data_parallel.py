@@ -12,8 +12,8 @@ import pytest
 from helpers import processes_running
 import torch
 
-from dmuon_edu import course
-from dmuon_edu.data_parallel import Problem
+from dmuon_edu.course import grading, notebooks
+from dmuon_edu.course.data_parallel import Problem
 from dmuon_edu.launch import RankFailedError, torchrun
 
 # The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
@@ -23,7 +23,7 @@ ADAMW_TOLERANCE = 1e-5
 pytestmark = pytest.mark.torchrun
 
 DIST = Path(__file__).parent / "dist"
-SCRIPTS = course.SOLUTION_SCRIPTS
+SCRIPTS = notebooks.SOLUTION_SCRIPTS
 MODULE_5 = sorted(SCRIPTS.glob("05_*.py"))
 
 
@@ -77,7 +77,7 @@ def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered(res
 @pytest.mark.parametrize("script", MODULE_5, ids=lambda p: p.stem)
 def test_learner_scripts_are_real_exercises(script):
     # One rank suffices to reach the stub, and starts faster than two.
-    status = course.grade_script(course.NOTEBOOKS / "scripts" / script.name, nproc=1)
+    status = grading.grade_script(notebooks.NOTEBOOKS / "scripts" / script.name, nproc=1)
     assert status.status == "not attempted", status
 
 
@@ -161,6 +161,19 @@ def test_a_rank_that_dies_without_a_traceback_is_named_with_its_own_exit_status(
 
 
 def test_a_failure_after_the_session_still_fails_the_job():
-    # session() ends the process without native teardown (see distributed.py); the status must survive that.
+    # After a clean session the script is an ordinary Python program again: an exception fails it.
     with pytest.raises(RankFailedError, match="ValueError: after the session"):
         torchrun(DIST / "raise_after_session.py", nproc=2, echo=False, timeout=60)
+
+
+def test_a_users_atexit_handler_runs_on_every_rank_after_a_session(tmp_path):
+    # session() installs no exception hook and no exit of its own, so what a script registers with
+    # atexit (a logger's flush, an async checkpoint's wait) runs on every rank, here with FSDP2 and
+    # dmuon still holding the process group at the interpreter's exit. The one status accepted is 0
+    # on every rank: torchrun returns 0 only then, and anything else raises RankFailedError.
+    # Two launches of 4 ranks: 8 rank exits (the old session() ran the handler on none).
+    for launch in range(2):
+        out = tmp_path / f"launch{launch}"
+        out.mkdir()
+        torchrun(DIST / "atexit_after_session.py", nproc=4, args=[out], echo=False, timeout=120)
+        assert sorted(path.name for path in out.iterdir()) == [f"rank{rank}.atexit" for rank in range(4)]

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.torchrun
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.dmuon import fsdp_exclusion
-from dmuon_edu.dmuon_problem import is_dedicated
+from dmuon_edu.course.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
 
 DIST = Path(__file__).parent / "dist"
@@ -117,8 +117,8 @@ def test_checkpoint_roundtrip_resumes_bit_identically(checks):
     assert c["max_abs_diff_after_resume"] == 0.0 and c["lr_after"] == c["lr_expected"], c
 
 
-def test_seed_000_loop_trains():
-    result = torchrun(DIST / "seed000_loop.py", nproc=2, timeout=180, echo=False)
+def test_the_accumulation_guide_loop_trains():
+    result = torchrun(DIST / "accumulation_guide_loop.py", nproc=2, timeout=180, echo=False)
     losses = [float(line.rsplit("=", 1)[1]) for line in result.stdout(0).splitlines() if line.startswith("step ")]
     assert len(losses) == 15, result.stdout(0)
     assert all(math.isfinite(x) for x in losses)

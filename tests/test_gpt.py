@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dmuon_edu.accumulation import IGNORE_INDEX
-from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.course.gpt import GPT, GPTConfig, is_hidden_matrix
 from dmuon_edu.muon import muon_param_groups
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, d_model=16)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from dmuon_edu import course
-from dmuon_edu.dmuon_problem import Problem, dedicated_parameters, seed_batches
+from dmuon_edu.course import grading, notebooks
+from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, seed_batches
 from dmuon_edu.launch import torchrun
 
 # The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
@@ -19,7 +19,7 @@ ADAMW_TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.torchrun
 
-MODULE_6 = sorted(course.SOLUTION_SCRIPTS.glob("06_*.py"))
+MODULE_6 = sorted(notebooks.SOLUTION_SCRIPTS.glob("06_*.py"))
 NPROC = 2
 K = Problem().accum_steps
 P_M = sum(p.numel() * p.element_size() for p in dedicated_parameters(Problem().model()).values())
@@ -104,5 +104,5 @@ def test_seed_batches_differ_per_rank_and_repeat_per_call():
 @pytest.mark.parametrize("script", MODULE_6, ids=lambda p: p.stem)
 def test_learner_scripts_are_real_exercises(script):
     # One rank suffices to reach the stub, and starts faster than two.
-    status = course.grade_script(course.NOTEBOOKS / "scripts" / script.name, nproc=1)
+    status = grading.grade_script(notebooks.NOTEBOOKS / "scripts" / script.name, nproc=1)
     assert status.status == "not attempted", status

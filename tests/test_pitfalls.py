@@ -1,7 +1,7 @@
 """Module 2: the pitfalls do what their names say, the unscaled loss's physics, and the checks.
 
 The loops given to the checks are written the way a learner writes them, not
-taken from dmuon_edu.pitfalls, so that each check is tested against code it
+taken from dmuon_edu.course.pitfalls, so that each check is tested against code it
 has never seen.
 """
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmuon_edu import pitfalls, train_step_with_accumulation
-from dmuon_edu.checks import run_check
+from dmuon_edu import train_step_with_accumulation
+from dmuon_edu.course import pitfalls
+from dmuon_edu.course.checks import run_check
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.muon import Muon
 

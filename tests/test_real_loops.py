@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmuon_edu import accumulation_windows, pitfalls, summed_token_loss, train, train_step_with_accumulation
+from dmuon_edu import accumulation_windows, summed_token_loss, train, train_step_with_accumulation
+from dmuon_edu.course import pitfalls
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data import MarkovSource, lm_batch
+from dmuon_edu.course.data import MarkovSource, lm_batch
 
 ATOL = 1e-6
 

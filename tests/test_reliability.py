@@ -66,8 +66,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from dmuon_edu import checkpoint, course, muon, train_step_with_accumulation
-from dmuon_edu.checks import check
+from dmuon_edu import checkpoint, muon, train_step_with_accumulation
+from dmuon_edu.course import notebooks
+from dmuon_edu.course.checks import check
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.launch import RankFailedError, torchrun
 
@@ -327,18 +328,18 @@ def test_a_solution_notebook_executed_again_reproduces_its_stored_text_outputs()
     """Executed twice, identical text: the stored outputs are the first execution (`make solutions`), this is
     the second, compared exactly (no sanitising, NBVAL_IGNORE_OUTPUT cells included). Module 1 is the cheap
     one; nbval in `make test` executes every other solution notebook again against its stored outputs."""
-    path = course.SOLUTIONS / "01_loss_scaled_accumulation.ipynb"
+    path = notebooks.SOLUTIONS / "01_loss_scaled_accumulation.ipynb"
     stored = nbformat.read(path, as_version=4)
     fresh = nbformat.read(path, as_version=4)
     NotebookClient(fresh, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    course.clean_outputs(fresh)
+    notebooks.clean_outputs(fresh)
     assert _text_outputs(fresh) == _text_outputs(stored)
 
 
 # -------------------------------------------------------------------- learner-facing errors
 def test_a_stub_check_cell_prints_one_todo_line_and_a_failing_one_one_fail_line():
     def stub(*args, **kwargs):  # what `make notebooks` leaves in the exercise cell
-        raise NotImplementedError(course.STUB_MESSAGE)
+        raise NotImplementedError(notebooks.STUB_MESSAGE)
 
     def broken(model, optimizer, microbatches, loss_fn):
         raise KeyError("oops")

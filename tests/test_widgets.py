@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from dmuon_edu.pitfalls import DEFAULT_LR
-from dmuon_edu.widgets import CORRECT_LABEL, MULTIPLIER_LABEL, UNSCALED_LABEL, lr_scaling_figure, lr_scaling_widget
+from dmuon_edu.course.pitfalls import DEFAULT_LR
+from dmuon_edu.course.widgets import CORRECT_LABEL, MULTIPLIER_LABEL, UNSCALED_LABEL, lr_scaling_figure, lr_scaling_widget
 
 
 def lines(figure, panel):

@@ -163,6 +163,23 @@ def dedicate_params(
     first numeric index (``model.layers[3]`` for "layers.3.mlp.up_proj.weight"), or the
     parameter's own module when there is no such index or that module is a container
     that is never called (a ModuleDict). Move the model to the mesh's device first.
+
+    Args:
+        model: the plain model, not yet sharded, on the mesh's device.
+        mesh: a 1-D DeviceMesh over every rank of the process group.
+        predicate: ``predicate(name, param) -> bool``, called for each of
+            ``model.named_parameters()``; it must select 2-D matrices only.
+        reshard_after_forward: True for Z3, False for Z2.
+
+    Returns:
+        ``{name: owner rank in the mesh}`` for each dedicated parameter.
+
+    Raises:
+        ValueError: the mesh is not 1-D or does not span the process group, the
+            predicate selects nothing or a non-matrix, a matrix is on another device,
+            or it shares its storage.
+        RuntimeError: the model is already sharded, or was already dedicated.
+        TypeError: ``reshard_after_forward`` is not a bool.
     """
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
@@ -297,5 +314,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def ownership(model: nn.Module) -> dict[str, int]:
-    """``{name: owner rank in the mesh}`` for each dedicated parameter."""
+    """``{name: owner rank in the mesh}`` for each dedicated parameter of ``model``.
+
+    Raises:
+        ValueError: ``dedicate_params`` was never called on ``model``.
+    """
     return dict(state_of(model).owners)

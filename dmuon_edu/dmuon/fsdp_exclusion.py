@@ -1,8 +1,8 @@
 """The one place where dmuon reaches into torch internals: fully_shard skips dedicated parameters.
 
-Seed 000 calls a plain ``fully_shard(layer, mesh=mesh)`` after ``dedicate_params``,
-without ``ignored_params``, yet FSDP2 must leave the dedicated parameters alone (their
-owner keeps them whole). ``fully_shard`` finds the parameters it will manage with one
+The dmuon API, as the dmuon project's gradient-accumulation guide uses it, calls a plain
+``fully_shard(layer, mesh=mesh)`` after ``dedicate_params``, without ``ignored_params``,
+yet FSDP2 must leave the dedicated parameters alone (their owner keeps them whole). ``fully_shard`` finds the parameters it will manage with one
 internal function,
 
     torch.distributed.fsdp._fully_shard._fully_shard._get_modules_and_states(module, device, ignored_params)
@@ -43,11 +43,17 @@ OWNER_ATTRIBUTE = "_dmuon_owner"
 
 
 def is_dedicated(param: torch.Tensor) -> bool:
+    """Whether ``dedicate_params`` gave ``param`` an owner."""
     return getattr(param, OWNER_ATTRIBUTE, None) is not None
 
 
 def check_compatible():
-    """The module holding fully_shard, after checking that it still collects parameters as expected."""
+    """The module holding fully_shard, after checking that it still collects parameters as expected.
+
+    Raises:
+        RuntimeError: this torch's fully_shard no longer collects its parameters through
+            ``_get_modules_and_states(module, device, ignored_params)``.
+    """
     module = importlib.import_module(FULLY_SHARD_MODULE)
     collector = getattr(module, COLLECTOR, None)
     problem = None

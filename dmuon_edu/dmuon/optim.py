@@ -55,6 +55,20 @@ class Muon(torch.optim.Optimizer):
     that reduces), and ``zero_grad()`` after it. After ``step()`` the non-owner copies
     of dedicated parameters are freed: the next forward broadcasts the new values.
     ``state_dict()`` is not per-rank meaningful; use dmuon.get_optimizer_state_dict.
+
+    Args:
+        model: the model, after ``dedicate_params`` and ``fully_shard``.
+        lr, momentum, nesterov, weight_decay, adjust_lr_fn, ns_steps, ns_dtype: the Muon
+            hyperparameters of the dedicated matrices, as in dmuon_edu.muon.Muon.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: torch.optim.AdamW's lr,
+            betas, eps and weight_decay for every other trainable parameter.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: the model has no dedicated parameters, a trainable parameter is
+            neither dedicated nor sharded by FSDP2, or a hyperparameter is invalid (also
+            checked at every step, after schedulers and state dict loads).
+        RuntimeError: ``step()`` is called inside ``no_sync``.
     """
 
     def __init__(
@@ -117,7 +131,7 @@ class Muon(torch.optim.Optimizer):
         inner_muon, inner_adamw = self._muon.param_groups[0], self._adamw.param_groups[0]
         muon_values = {k: self.muon_group[k] for k in MUON_KEYS}
         adamw_values = {k: self.adamw_group[k] for k in ADAMW_KEYS}
-        single_device._check_hyperparameters(muon_values)
+        single_device.check_hyperparameters(muon_values)
         _check_adamw_hyperparameters(adamw_values)
         inner_muon.update(muon_values)
         inner_adamw.update(adamw_values)

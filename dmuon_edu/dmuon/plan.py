@@ -40,10 +40,15 @@ def layer_of(name: str) -> str:
 
 
 def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[str, int]:
-    """``{name: owner rank}`` for matrices ``{name: (m, n)}`` over ``world_size`` ranks (see the module docstring).
+    """Owners for matrices ``{name: (m, n)}`` over ``world_size`` ranks (see the module docstring).
 
-    Deterministic: the same input gives the same plan on every rank. The result lists
-    the names in the order they were given.
+    Deterministic: the same input gives the same plan on every rank.
+
+    Returns:
+        ``{name: owner rank}``, listing the names in the order they were given.
+
+    Raises:
+        ValueError: ``world_size`` is not an int >= 1, or a shape is not 2-D.
     """
     _require_world_size(world_size)
     for name, shape in shapes.items():
@@ -64,7 +69,14 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
 
 
 def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], world_size: int) -> float:
-    """max / mean Newton-Schulz work per rank (1.0 is a perfect balance, and so is no work)."""
+    """How uneven a plan is: max over mean of the Newton-Schulz work per rank.
+
+    Returns:
+        A float >= 1.0; 1.0 is a perfect balance (and so is no work at all).
+
+    Raises:
+        ValueError: ``world_size`` is not an int >= 1, or an owner lies outside it.
+    """
     _require_world_size(world_size)
     load = [0] * world_size
     for name, rank in owners.items():

@@ -86,6 +86,21 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """The model's state dict, keyed by parameter and buffer names; a collective.
+
+    Args:
+        model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
+        options: ``StateDictOptions``; ``full_state_dict`` gathers FSDP2 shards into full
+            tensors, ``cpu_offload`` moves every tensor to the CPU.
+
+    Returns:
+        ``{name: tensor}``: FSDP2 parameters as DTensor shards (or full tensors), dedicated
+        parameters as full plain tensors on every rank.
+
+    Raises:
+        ValueError: the model has no dedicated parameters, or ``options`` asks for
+            something unsupported.
+    """
     options, state = _options(options), state_of(model)
     result = {}
     for name, value in model.state_dict().items():
@@ -97,7 +112,24 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], options: StateDictOptions | None = None):
-    """Load ``model_state_dict`` (sharded or full, any world size's) into the model. Returns missing/unexpected keys."""
+    """Load ``model_state_dict`` (sharded or full, any world size's) into the model; a collective in effect.
+
+    Each owner copies in its dedicated matrices, every rank its FSDP2 shards; non-owner
+    copies are dropped, so the next forward broadcasts the loaded values.
+
+    Args:
+        model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
+        model_state_dict: as :func:`get_model_state_dict` returns it, on any world size.
+        options: ``StateDictOptions``; with ``strict`` (the default) the keys must match.
+
+    Returns:
+        ``_IncompatibleKeys(missing_keys, unexpected_keys)``, as nn.Module.load_state_dict.
+
+    Raises:
+        RuntimeError: with ``strict``, the keys differ from the model's.
+        ValueError: the model has no dedicated parameters, or ``options`` asks for
+            something unsupported.
+    """
     options, state = _options(options), state_of(model)
     targets = model.state_dict()
     missing = [k for k in targets if k not in model_state_dict]
@@ -123,6 +155,21 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDictOptions | None = None) -> dict:
+    """The optimizer's state dict, keyed by parameter names; a collective.
+
+    Args:
+        model: the model the optimizer was built for.
+        optimizer: its dmuon.Muon.
+        options: ``StateDictOptions``, as in :func:`get_model_state_dict`.
+
+    Returns:
+        ``{"state": {name: {...}}, "param_groups": [muon group, adamw group]}``: each
+        dedicated matrix's ``momentum_buffer`` as a full tensor on every rank, AdamW's
+        moments as DTensor shards, each group's hyperparameters with ``"params"`` as names.
+
+    Raises:
+        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
+    """
     options, state = _options(options), state_of(model)
     _check_optimizer(optimizer, state)
     names = _names(model)
@@ -141,6 +188,15 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict: dict,
                              options: StateDictOptions | None = None) -> None:
+    """Load ``optim_state_dict`` (as :func:`get_optimizer_state_dict` returns it, any world size's) in place.
+
+    Each owner takes its matrices' momentum, whoever owned them when it was saved;
+    every rank takes its AdamW shards; both groups take the saved hyperparameters.
+
+    Raises:
+        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
+        RuntimeError: with ``strict`` (the default), a parameter's state is missing.
+    """
     options, state = _options(options), state_of(model)
     _check_optimizer(optimizer, state)
     names = _names(model)
@@ -166,12 +222,29 @@ def _check_optimizer(optimizer, state: DMuonState) -> None:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale all gradients so that their global 2-norm is at most ``max_norm``; return the norm before.
+    r"""Scale all gradients so that their global 2-norm is at most ``max_norm``; a collective.
 
-    The norm runs over the owners' reduced dedicated gradients and every FSDP2 gradient
-    shard, summed over ranks: the same number as torch.nn.utils.clip_grad_norm_ in one
-    process with the full gradients, and the same scaling (max_norm / (norm + 1e-6),
-    at most 1). Call it after the last backward of the window, outside no_sync.
+    .. math::
+
+        \lVert g \rVert = \Bigl(\sum_{\text{ranks}} \sum_{g \text{ held}} \lVert g \rVert_2^2\Bigr)^{1/2},
+        \qquad g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{\lVert g \rVert + 10^{-6}}\Bigr)
+
+    over the owners' reduced dedicated gradients and every FSDP2 gradient shard (a
+    plain replicated gradient counts once): the same norm and scaling as
+    torch.nn.utils.clip_grad_norm_ in one process with the full gradients. Call it after
+    the last backward of the window, outside no_sync.
+
+    Args:
+        model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
+        max_norm: the largest allowed global norm, a number >= 0.
+
+    Returns:
+        The global norm before clipping, a scalar float32 tensor (the same on every rank).
+
+    Raises:
+        ValueError: ``max_norm`` is negative or not a number, or the model has no
+            dedicated parameters.
+        RuntimeError: called inside no_sync, or with gradients not reduced yet.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}; a negative one would flip every gradient")

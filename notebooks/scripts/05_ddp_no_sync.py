@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, report
 
 
 def accumulate_window(ddp_model, optimizer, microbatches, loss_fn):

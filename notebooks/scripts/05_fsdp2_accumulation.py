@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, report
 
 
 def accumulate_window(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, report
 
 
 def average_gradients(model):

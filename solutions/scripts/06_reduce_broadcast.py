@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import ADAMW_TOLERANCE, report
-from dmuon_edu.dmuon_problem import (
+from dmuon_edu.course.data_parallel import ADAMW_TOLERANCE, report
+from dmuon_edu.course.dmuon_problem import (
     Problem,
     average_over_ranks,
     dedicated_parameters,

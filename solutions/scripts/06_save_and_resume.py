@@ -34,8 +34,8 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import report
-from dmuon_edu.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, Problem, full_parameters, is_dedicated
+from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, Problem, full_parameters, is_dedicated
 
 
 def resume(model, optimizer, path):

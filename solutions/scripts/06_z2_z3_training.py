@@ -28,8 +28,8 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.data_parallel import report
-from dmuon_edu.dmuon_problem import (
+from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.dmuon_problem import (
     ADAMW_LR,
     MUON_HYPERPARAMETERS,
     Problem,

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu import distributed, dmuon, muon
-from dmuon_edu.dmuon_problem import is_dedicated as predicate, per_rank
+from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
 
 IN, D, H, OUT, LAYERS = 5, 16, 32, 3, 3
 HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original", ns_steps=5)

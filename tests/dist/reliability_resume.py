@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu import checkpoint, distributed, dmuon
-from dmuon_edu.dmuon_problem import is_dedicated as predicate, per_rank
+from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
 
 IN, D, H, OUT, LAYERS = 6, 16, 24, 3, 2
 GLOBAL_BATCH, MICRO = 24, 2  # samples per optimizer step; micro-batches per step on each rank

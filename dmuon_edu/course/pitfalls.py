@@ -4,7 +4,7 @@ Each window-level function has the signature of
 :func:`dmuon_edu.accumulation.train_step_with_accumulation`; each epoch-level
 one (``*_leftover_window``) runs a whole list of batches with ``accum_steps``.
 Each makes exactly one mistake. The course runs them to show what each mistake does to the
-update, and :mod:`dmuon_edu.checks` runs them to recognise a learner's mistake
+update, and :mod:`dmuon_edu.course.checks` runs them to recognise a learner's mistake
 by its effect.
 
 :class:`GradOverwritingMuon` is a Muon that writes its Nesterov blend into
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from dmuon_edu.accumulation import require_accum_steps, require_max_grad_norm, train_step_with_accumulation
-from dmuon_edu.muon import ADJUST_LR_FNS, Muon, _check_hyperparameters
+from dmuon_edu.muon import ADJUST_LR_FNS, Muon, check_hyperparameters
 from dmuon_edu.newton_schulz import newton_schulz
-from dmuon_edu.threads import one_thread
+from dmuon_edu.course.threads import one_thread
 
 __all__ = [
     "unscaled_loss",
@@ -206,7 +206,7 @@ class GradOverwritingMuon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.95, ns_steps: int = 5, ns_dtype=torch.bfloat16):
-        _check_hyperparameters(dict(lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
+        check_hyperparameters(dict(lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
                                     adjust_lr_fn="original", ns_steps=ns_steps, ns_dtype=ns_dtype))
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, ns_dtype=ns_dtype))
         for group in self.param_groups:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.course.gpt import GPT, GPTConfig, is_hidden_matrix
 
 
 def _check_hidden_matrix_predicate(candidate: Callable) -> tuple[str, str]:

@@ -8,7 +8,7 @@ micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (a no-
 context on one process), each loss divided by ``accum_steps``, then ``step`` and
 ``zero_grad``.
 
-The text comes from :class:`dmuon_edu.data.MarkovSource`, whose entropy rate is
+The text comes from :class:`dmuon_edu.course.data.MarkovSource`, whose entropy rate is
 known exactly: no model can average less loss per token, so it is the floor the
 curves approach. The held-out loss is measured on ``eval_sequences`` fresh
 sequences, enough tokens that its sampling error (a few thousandths of a nat) is well below
@@ -48,13 +48,13 @@ from tqdm.auto import tqdm
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.accumulation import accumulation_windows
-from dmuon_edu.data import MarkovSource
-from dmuon_edu.data_parallel import rank_share
-from dmuon_edu.dmuon_problem import ResidencyProbe, per_rank
-from dmuon_edu.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.course.data import MarkovSource
+from dmuon_edu.course.data_parallel import rank_share
+from dmuon_edu.course.dmuon_problem import ResidencyProbe, per_rank
+from dmuon_edu.course.gpt import GPT, GPTConfig, is_hidden_matrix
 from dmuon_edu.memory import peak_memory_bytes
 from dmuon_edu.muon import Muon
-from dmuon_edu.threads import one_thread
+from dmuon_edu.course.threads import one_thread
 
 __all__ = [
     "Capstone",

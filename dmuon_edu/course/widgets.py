@@ -5,7 +5,7 @@ matplotlib figure, and that function is what the tests exercise. The figure is
 shown as a PNG in an ``ipywidgets.Image``: no interactive backend (ipympl) is
 needed, and the cell's output is the same with or without a browser attached.
 
-    from dmuon_edu.widgets import lr_scaling_widget
+    from dmuon_edu.course.widgets import lr_scaling_widget
     lr_scaling_widget()       # the last line of a notebook cell
 """
 
@@ -18,7 +18,7 @@ import math
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
-from dmuon_edu.pitfalls import DEFAULT_LR, OPTIMIZERS, effective_lr_multiplier, training_curve
+from dmuon_edu.course.pitfalls import DEFAULT_LR, OPTIMIZERS, effective_lr_multiplier, training_curve
 
 __all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget"]
 
@@ -38,9 +38,9 @@ MULTIPLIER_LABEL = "your loop"
 def lr_scaling_figure(optimizer: str, accum_steps: int, *, lr: float, scale_loss: bool) -> Figure:
     """Two panels: the effective learning-rate multiplier against N, and a short training run.
 
-    Left: :func:`dmuon_edu.pitfalls.effective_lr_multiplier` of ``optimizer``
+    Left: :func:`dmuon_edu.course.pitfalls.effective_lr_multiplier` of ``optimizer``
     for each N, with the loss scaled or not as ``scale_loss`` says, the chosen
-    N marked. Right: :func:`dmuon_edu.pitfalls.training_curve` with correct and
+    N marked. Right: :func:`dmuon_edu.course.pitfalls.training_curve` with correct and
     with unscaled losses at learning rate ``lr``; the one ``scale_loss``
     selects is drawn bold.
     """

@@ -1,6 +1,6 @@
 """The shared problem of module 6's dmuon exercises, and its single-process reference.
 
-Module 5's problem (:class:`dmuon_edu.data_parallel.Problem`: the same seeded global
+Module 5's problem (:class:`dmuon_edu.course.data_parallel.Problem`: the same seeded global
 data on every rank, each rank taking its equal share of each micro-batch) with a model
 that has Muon matrices: blocks under ``model.layers`` whose hidden matrices are named
 ``*_proj``, as in seed 000. The model returns an object with ``.loss``, so every loop
@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmuon_edu import data_parallel, dmuon, muon
-from dmuon_edu.gpt import is_hidden_matrix
+from dmuon_edu import dmuon, muon
+from dmuon_edu.course import data_parallel
+from dmuon_edu.course.gpt import is_hidden_matrix
 
 __all__ = [
     "Problem",

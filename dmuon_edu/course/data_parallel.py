@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dmuon_edu.checks import CheckResult
+from dmuon_edu.course.checks import CheckResult
 from dmuon_edu.distributed import print0
 
 __all__ = ["Problem", "report", "ADAMW_TOLERANCE"]

@@ -1,14 +1,14 @@
-"""Seed 000's "Full Training Loop with Accumulation", run as written (tests/test_dmuon.py runs it on 2 ranks).
+"""The "Full Training Loop with Accumulation" of dmuon's gradient-accumulation guide, run as written (tests/test_dmuon.py runs it on 2 ranks).
 
-The lines between SEED BEGIN and SEED END are the seed's text with exactly the changes
+The lines between GUIDE BEGIN and GUIDE END are the guide's text with exactly the changes
 the course allows: ``from dmuon_edu import dmuon`` for ``import dmuon``, gloo for nccl,
-"cpu" for "cuda" (so ``MyModel().cuda()`` is ``MyModel()``). The seed leaves ``MyModel``
+"cpu" for "cuda" (so ``MyModel().cuda()`` is ``MyModel()``). The guide leaves ``MyModel``
 and ``dataloader`` to the reader; they are defined above it: a small regression model
 whose hidden matrices are named ``*_proj`` under ``model.layers``, returning an object
 with ``.loss``, and a synthetic stream of batches from a fixed random teacher.
 """
 
-# --- not in the seed: the model and the data ---------------------------------------
+# --- not in the guide: the model and the data ---------------------------------------
 import types
 
 import torch
@@ -63,7 +63,7 @@ class SyntheticBatches:
 
 dataloader = SyntheticBatches(4 * 15)
 
-# --- SEED BEGIN ------------------------------------------------------------------
+# --- GUIDE BEGIN ------------------------------------------------------------------
 import torch
 import torch.distributed as dist
 from contextlib import nullcontext
@@ -100,10 +100,8 @@ for i, batch in enumerate(dataloader):
 
         if dist.get_rank() == 0:
             print(f"step {global_step}: loss={loss.item() * accum_steps:.4f}")
-# --- SEED END --------------------------------------------------------------------
+# --- GUIDE END --------------------------------------------------------------------
 
-# Not in the seed: end as every course script does; destroy_process_group() now and
-# then aborts a gloo rank after its work is done (see dmuon_edu.distributed).
-from dmuon_edu.distributed import leave_together
-
-leave_together()
+# Not in the guide: leave the process group as torch documents it, once every rank is done.
+dist.barrier()
+dist.destroy_process_group()

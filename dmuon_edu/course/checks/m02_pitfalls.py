@@ -4,7 +4,7 @@ A loop's bug is recognised by what it does, never by its source text. The
 checker runs the loop on a small seeded problem with an optimizer that
 records the gradient in ``.grad`` at every ``step()`` call, and compares that
 record, and the parameters at the end, with the record of the correct loop
-and of each loop in :mod:`dmuon_edu.pitfalls`. Two loops whose records agree
+and of each loop in :mod:`dmuon_edu.course.pitfalls`. Two loops whose records agree
 do the same thing to the model, whatever their code looks like.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dmuon_edu import pitfalls
+from dmuon_edu.course import pitfalls
 from dmuon_edu.accumulation import accumulation_windows, train_step_with_accumulation
-from dmuon_edu.checks.problem import Window, regression_model, regression_windows
+from dmuon_edu.course.checks.problem import Window, regression_model, regression_windows
 
 # Float32 gradients and parameters of size ~0.01-1: correct loops that scale
 # or add in a different order differ by a few ulps (~1e-7). Every bug moves

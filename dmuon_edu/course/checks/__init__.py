@@ -9,7 +9,7 @@ small, seeded problem and prints one line::
     TODO train_step_with_accumulation: not attempted yet ...
 
 A wrong answer is recognised by its *effect*: the learner's update is compared
-with the updates that the known mistakes in :mod:`dmuon_edu.pitfalls` produce,
+with the updates that the known mistakes in :mod:`dmuon_edu.course.pitfalls` produce,
 so the hint names the mistake rather than just saying "wrong". Each course
 module's checkers live in a submodule (``m01_accumulation``, ...).
 ``python -m dmuon_edu check`` reads these lines back to build its table.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmuon_edu.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon, m07_capstone
+from dmuon_edu.course.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon, m07_capstone
 from dmuon_edu.launch import RankFailedError, torchrun
 
 __all__ = [

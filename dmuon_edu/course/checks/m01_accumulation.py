@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from dmuon_edu import pitfalls
+from dmuon_edu.course import pitfalls
 from dmuon_edu.accumulation import train_step_with_accumulation
-from dmuon_edu.checks.problem import regression_model, regression_windows
+from dmuon_edu.course.checks.problem import regression_model, regression_windows
 
 # Float32 parameters of size ~0.1-1 after a few additions: two correct
 # implementations that order or group the scaling differently differ by a few

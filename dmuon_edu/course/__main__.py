@@ -1,0 +1,7 @@
+"""``python -m dmuon_edu.course build | sync-check | execute [NN] | check [NN]`` (see :mod:`dmuon_edu.course.cli`)."""
+
+import sys
+
+from dmuon_edu.course.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""The two sides of the package: the library (dmuon_edu outside course/) and the course above it.
+
+The library depends on torch and tqdm only and never imports the course; inside the
+library, imports run one way, down the floors listed in LIBRARY_FLOORS.
+"""
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dmuon_edu"
+
+# Lowest floor first: a library module may import only modules on the floors before its own.
+LIBRARY_FLOORS = [
+    ["accumulation", "newton_schulz", "compare", "memory"],
+    ["muon"],
+    ["distributed", "checkpoint", "launch"],
+    ["dmuon"],
+]
+# `python -m dmuon_edu` hands over to the course's command line: the one exempt file.
+EXEMPT = {"__main__"}
+COURSE_ONLY_TOOLS = ["matplotlib", "ipywidgets", "nbformat", "nbclient", "IPython", "jupyter"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _library_files() -> list[Path]:
+    return [path for path in sorted(PACKAGE.rglob("*.py"))
+            if "course" not in path.relative_to(PACKAGE).parts and path.stem not in EXEMPT]
+
+
+def _floor_of(module: str) -> str:
+    """The library module a dotted name belongs to: dmuon_edu.dmuon.state -> dmuon; dmuon_edu -> ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _dmuon_edu_imports(path: Path, module: str | None = None) -> set[str]:
+    """Every dmuon_edu module that ``path`` (the module named ``module``) imports, relative imports resolved."""
+    module = module or _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module
+            found.add(source)
+            # `from dmuon_edu import dmuon` imports the module dmuon_edu.dmuon
+            found |= {f"{source}.{alias.name}" for alias in node.names}
+    return {name for name in found if name == "dmuon_edu" or name.startswith("dmuon_edu.")}
+
+
+def test_the_library_imports_without_the_course_tools_and_loads_no_course_module():
+    modules = [_module_name(path) for path in _library_files()]
+    probe = f"""
+import importlib, importlib.abc, sys
+
+class CourseToolsAbsent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == tool or name.startswith(tool) for tool in {COURSE_ONLY_TOOLS!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)")
+        return None
+
+sys.meta_path.insert(0, CourseToolsAbsent())
+for module in {modules!r}:
+    importlib.import_module(module)
+course = sorted(m for m in sys.modules if m.startswith("dmuon_edu.course"))
+tools = sorted(m for m in sys.modules if any(m.startswith(t) for t in {COURSE_ONLY_TOOLS!r}))
+print("course modules loaded:", course)
+print("course tools loaded:", tools)
+sys.exit(1 if course or tools else 0)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(modules) >= 15, modules  # every library file was imported, not an empty list
+
+
+def test_library_imports_run_down_the_floors_and_never_up_into_the_course():
+    floor_index = {module: i for i, floor in enumerate(LIBRARY_FLOORS) for module in floor}
+    top_level = {_floor_of(_module_name(path)) for path in _library_files()} - {""}
+    assert top_level == set(floor_index), "LIBRARY_FLOORS must list every library module once"
+    for path in _library_files():
+        own = _floor_of(_module_name(path))
+        for imported in _dmuon_edu_imports(path):
+            where = f"{path.relative_to(ROOT)} imports {imported}"
+            assert not imported.startswith("dmuon_edu.course"), where + ": the library must not import the course"
+            target = _floor_of(imported)
+            if own == "" or target in ("", own):  # the package's own __init__ re-exports; a module its own parts
+                continue
+            assert floor_index[target] < floor_index[own], where + ", a module on the same floor or above it"
+
+
+def test_the_import_scanner_sees_absolute_relative_and_upward_imports(tmp_path):
+    # The floor test is only as good as its scanner: give it each kind of import, posing
+    # as a file of dmuon_edu/dmuon/.
+    probe = tmp_path / "probe.py"
+    probe.write_text("from dmuon_edu.course import pitfalls\nfrom ..launch import torchrun\n"
+                     "from . import plan\nimport dmuon_edu.muon\nfrom dmuon_edu import checkpoint\n")
+    imports = _dmuon_edu_imports(probe, module="dmuon_edu.dmuon.probe")
+    assert {"dmuon_edu.course", "dmuon_edu.launch", "dmuon_edu.dmuon.plan", "dmuon_edu.muon",
+            "dmuon_edu.checkpoint"} <= imports
+
+
+# Course vocabulary: the library's docstrings read like an API reference.
+COURSE_WORDS = re.compile(
+    r"\b[Mm]odule \d|\b[Ss]eed \d{3}\b|\b[Ss]eed's\b|\b[Ee]xercises?\b|\b[Ll]earners?\b|\b[Ll]essons?\b"
+    r"|(?<!dmuon_edu\.)\b[Cc]ourse(?:'s)?\b"
+)
+
+
+def test_no_library_file_speaks_course_vocabulary():
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in _library_files()
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if COURSE_WORDS.search(line)]
+    assert not found, "course vocabulary in the library:\n" + "\n".join(found)
+
+
+def test_the_vocabulary_check_catches_each_kind_of_course_word():
+    for line in ["as in module 6", "seed 000's loop", "the exercise", "a learner", "this lesson",
+                 "how the course proves it"]:
+        assert COURSE_WORDS.search(line), line
+    for line in ["an nn.Module of layers", "dmuon_edu.course imports the library", "torch.manual_seed(0)"]:
+        assert not COURSE_WORDS.search(line), line
+
+
+def test_the_library_depends_on_torch_and_tqdm_only_and_the_course_tools_are_an_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = sorted(re.split(r"[<>=!~ ;\[]", requirement)[0] for requirement in project["dependencies"])
+    assert names == ["torch", "tqdm"]
+    course = {re.split(r"[<>=!~ ;\[]", r)[0] for r in project["optional-dependencies"]["course"]}
+    assert {"jupyterlab", "ipywidgets", "matplotlib", "nbformat", "nbclient"} <= course
