@@ -9,9 +9,9 @@ listed before it; tests/test_layout.py keeps it so):
 - ``compare`` (parameter differences between two runs) and ``memory`` (peak memory of
   a piece of work).
 - ``muon``: Muon on one device, and the Muon/AdamW parameter split.
-- ``distributed``: joining torchrun's process group, a rank-0 print, collective counts.
-- ``checkpoint``: torch.distributed.checkpoint with a completion marker.
+- ``distributed``: joining torchrun's process group, a barrier, a rank-0 print, collective counts.
 - ``launch``: torchrun from Python (a notebook cell, a test), with timeouts.
+- ``checkpoint``: torch.distributed.checkpoint with a completion marker.
 - ``dmuon``: distributed Muon with owner ranks, ``no_sync`` and Z2/Z3
   (``from dmuon_edu import dmuon``).
 

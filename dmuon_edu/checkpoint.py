@@ -32,6 +32,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dmuon_edu import distributed
+
 __all__ = ["save", "load", "is_complete", "latest", "IncompleteCheckpointError", "MARKER"]
 
 MARKER = "COMPLETE"
@@ -142,4 +144,4 @@ def _one_process_is_fine():
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        distributed.barrier()

@@ -9,6 +9,21 @@
 :func:`count_collectives` sees every c10d collective this process takes part in,
 including those that DDP and FSDP2 issue from C++ (they all pass through the
 dispatcher's ``c10d`` ops): the way to check "one all-reduce per optimizer step".
+
+Why :func:`barrier` and not ``torch.distributed.barrier`` at the end of a script: a
+gloo collective runs on a worker thread of the process group, which drops its reference
+to the work just *after* telling the caller that the work is done. If Python has let go
+of a tensor of that work meanwhile, releasing it needs the GIL; once the interpreter
+has begun to finalize, Python 3.11 ends a thread that asks for the GIL with
+pthread_exit, whose forced unwind reaches a noexcept C++ frame, and std::terminate
+aborts the rank ("terminate called without an active exception", SIGABRT) after all
+its work is done. gloo's barrier makes that likely: its work holds every collective
+still in progress when it was issued, until a worker destroys it right after the
+script was told to go on. ``destroy_process_group`` does not stop the workers while a
+DeviceMesh or FSDP2 state still refers to the group, so the interpreter's exit is where
+it happens (benchmarks/README.md has the core dumps' stack and the rates).
+:func:`barrier` all-reduces a tensor that this module keeps for the life of the
+process instead, so its work holds nothing that Python must free.
 """
 
 from __future__ import annotations
@@ -24,10 +39,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ranks", "session", "print0", "count_collectives", "CollectiveCounts", "COLLECTIVE_TIMEOUT_S"]
+__all__ = ["Ranks", "session", "barrier", "print0", "count_collectives", "CollectiveCounts", "COLLECTIVE_TIMEOUT_S"]
 
 # Every collective wait gives up after this long instead of hanging forever.
 COLLECTIVE_TIMEOUT_S = 60
+
+# barrier()'s tensors, one per (group, device), kept until the process ends (see the module docstring).
+_BARRIER_TENSORS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -49,9 +67,9 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
     (each rank then uses ``cuda:LOCAL_RANK``), gloo on the CPU otherwise. Every
     collective gives up after ``timeout_s`` instead of hanging.
 
-    When the block ends cleanly, the ranks wait for each other (a barrier, so that
-    no rank leaves while a peer still finishes its last collective) and the process
-    group is destroyed. When the block raises, the exception propagates at once,
+    When the block ends cleanly, the ranks wait for each other (:func:`barrier`, so
+    that no rank leaves while a peer still finishes its last collective) and the
+    process group is destroyed. When the block raises, the exception propagates at once,
     without waiting: the failing rank exits and torchrun stops the others.
     Nothing else about the process changes: exception hooks, atexit handlers and
     the interpreter's exit are the script's own.
@@ -68,13 +86,13 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
             environment).
         ValueError: ``timeout_s`` is not a positive number.
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if "RANK" not in os.environ:
         raise RuntimeError(
             "not started by torchrun: run this script with dmuon_edu.launch.torchrun(path, nproc=2) "
             "or `torchrun --nproc-per-node=2 script.py`"
         )
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -85,8 +103,29 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     yield Ranks(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
     # Reached only when the block ended cleanly.
-    dist.barrier()
+    barrier()
     dist.destroy_process_group()
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` (the default group if None) has reached this call.
+
+    Like ``torch.distributed.barrier``, but safe as a script's last collective on gloo
+    (see the module docstring): it all-reduces a one-element tensor that is kept for
+    the life of the process, on the CPU for gloo and on the current GPU for NCCL.
+
+    Raises:
+        RuntimeError: there is no process group.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("distributed.barrier() needs a process group: call it inside distributed.session()")
+    group = group or dist.group.WORLD
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    key = (group.group_name, device)
+    if key not in _BARRIER_TENSORS:
+        _BARRIER_TENSORS[key] = torch.zeros(1, device=device)
+    dist.all_reduce(_BARRIER_TENSORS[key], group=group)
 
 
 def print0(*args, **kwargs) -> None:

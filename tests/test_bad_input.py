@@ -144,6 +144,8 @@ CASES = [
     ("torchrun/args_one_string", lambda: torchrun(__file__, args="--steps 3"), TypeError, "['--steps', '3']"),
     ("session/not_started_by_torchrun", lambda: distributed.session().__enter__(), RuntimeError,
      "dmuon_edu.launch.torchrun(path, nproc=2)"),
+    ("session/timeout_zero", lambda: distributed.session(timeout_s=0).__enter__(), ValueError,
+     "timeout_s must be a positive number of seconds"),
     ("run_check/unknown_exercise", lambda: run_check("train_stepp", print), ValueError, "known exercises: "),
     ("run_check/result_instead_of_function", lambda: run_check("train_step_with_accumulation", 0.5), TypeError,
      "pass your function itself"),

@@ -110,6 +110,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__([{"params": dedicated, **muon_hyper}, {"params": others, **adamw_hyper}], defaults={})
 
         self.skipped_steps = 0  # steps skipped for non-finite gradients
+        self._nonfinite_flag = torch.zeros((), device=next(iter(self._dmuon.params.values())).device)
         for p in self._owned:
             self._muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
         for p in others:
@@ -177,9 +178,11 @@ class Muon(torch.optim.Optimizer):
                   for p in self.adamw_group["params"] if p.grad is not None]
         # min and max are finite exactly when every entry is; one host sync in all.
         extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
-        device = next(iter(self._dmuon.params.values())).device
-        bad = (~torch.cat(extremes).isfinite()).any().float().to(device) if extremes else torch.zeros((), device=device)
+        bad = self._nonfinite_flag
+        bad.copy_((~torch.cat(extremes).isfinite()).any() if extremes else False)
         if self._dmuon.world_size > 1:
+            # Into a tensor the optimizer keeps: this may be a script's last collective, and a
+            # gloo worker must not be left to free a tensor Python dropped (see dmuon_edu.distributed).
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
         return bad.item() == 0
 

@@ -102,6 +102,9 @@ for i, batch in enumerate(dataloader):
             print(f"step {global_step}: loss={loss.item() * accum_steps:.4f}")
 # --- GUIDE END --------------------------------------------------------------------
 
-# Not in the guide: leave the process group as torch documents it, once every rank is done.
-dist.barrier()
+# Not in the guide: leave the process group once every rank is done. distributed.barrier(), not
+# dist.barrier(): see dmuon_edu.distributed for why the latter can abort a gloo rank at exit.
+from dmuon_edu import distributed
+
+distributed.barrier()
 dist.destroy_process_group()
