@@ -146,6 +146,8 @@ CASES = [
      "dmuon_edu.launch.torchrun(path, nproc=2)"),
     ("session/timeout_zero", lambda: distributed.session(timeout_s=0).__enter__(), ValueError,
      "timeout_s must be a positive number of seconds"),
+    ("barrier/without_a_process_group", lambda: distributed.barrier(), RuntimeError,
+     "inside distributed.session()"),
     ("run_check/unknown_exercise", lambda: run_check("train_stepp", print), ValueError, "known exercises: "),
     ("run_check/result_instead_of_function", lambda: run_check("train_step_with_accumulation", 0.5), TypeError,
      "pass your function itself"),
