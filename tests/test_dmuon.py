@@ -57,7 +57,7 @@ def checks(request, tmp_path_factory):
     return {c["name"]: c for c in lines}
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS + ["z3_no_sync_tied", "z2_no_sync_tied"])
 def test_matches_single_process_full_batch(checks, config):
     c = checks[f"equivalence_{config}"]
     assert c["max_abs_diff"] < TOLERANCE, c
@@ -260,3 +260,51 @@ def test_optimizer_works_with_lr_scheduler_and_zero_grad(one_rank):
                for n, p in model.named_parameters() if n in before)
     with pytest.raises(RuntimeError, match="get_optimizer_state_dict"):
         opt.state_dict()
+
+
+# ---------------------------------------------------------------------- real use
+def test_a_non_owner_refuses_every_read_of_a_matrix_it_does_not_hold_by_name(checks):
+    c = checks["placeholders"]
+    for what, message in c["refusals"].items():
+        assert message is not None, f"{what} on a non-owner's matrix did not raise: {c}"
+        assert "dmuon.get_model_state_dict(model)" in message and "holds no copy of it between uses" in message, (
+            what, message)
+        if "state_dict" not in what:  # a state dict names the first matrix this rank does not own
+            assert c["matrix"] in message and f"owned by rank {c['owner']}" in message, (what, message)
+    assert c["shape"] == c["size"] == c["expected_shape"] and c["numel"] == c["expected_shape"][0] * c["expected_shape"][1]
+    assert c["repr_names_owner"] and not c["resident"]
+
+
+def test_the_parameters_stay_the_same_objects_across_steps(checks):
+    assert checks["placeholders"]["same_objects"]
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_fsdp2_mixed_precision_computes_in_bf16_and_keeps_float32_masters(checks, mode):
+    c = checks[f"mixed_precision_{mode}"]
+    # The reference does the same bf16 products and float32 sums in another order: float32's tolerance.
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["forward_dtypes"] == ["torch.bfloat16"], c
+    assert c["master_dtypes"] == c["momentum_dtypes"] == ["torch.float32"], c
+    # The broadcast carries bf16: half the float32 bytes, once (Z2) or 2k times (Z3) per step.
+    assert c["broadcast_bytes"] == c["dedicated_bytes_fp32"] // 2 * (2 * c["k"] if c["zero3"] else 1), c
+
+
+def test_a_window_entirely_inside_no_sync_is_refused_at_step_on_every_rank(checks):
+    for message in checks["misuse"]["step_after_all_no_sync"]:
+        assert message and "every backward ran inside dmuon.no_sync" in message, checks["misuse"]
+
+
+def test_ranks_that_dedicate_different_matrices_are_refused_on_every_rank_naming_the_first(checks):
+    for message in checks["misuse"]["rank_dependent_predicate"]:
+        assert message and "selected different matrices" in message and "layers.1.k_proj.weight" in message, message
+
+
+def test_a_rank_that_never_calls_dedicate_params_ends_the_others_at_a_bounded_timeout(checks):
+    message = checks["misuse"]["a_rank_never_calls"][0]
+    assert message and "not every rank called dedicate_params" in message, message
+
+
+def test_autocast_runs_through_dmuon(checks):
+    c = checks["misuse"]
+    assert c["autocast_step"] == [None] * len(c["autocast_step"]) and c["autocast_output_dtype"][0] == "torch.bfloat16", c

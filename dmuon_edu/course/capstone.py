@@ -210,9 +210,11 @@ def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) ->
     """Bytes of parameters and optimizer state this rank holds between optimizer steps.
 
     A parameter counts with its local storage: an FSDP2 shard, a dedicated matrix only
-    on its owner (elsewhere its storage is empty between steps).
+    on its owner (``dmuon.held_bytes``: elsewhere it holds nothing between steps).
     """
-    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    dedicated = getattr(model, "_dmuon", None)
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()
+               if dedicated is None or all(p is not q for q in dedicated.params.values())]
     for optimizer in optimizers:
         # dmuon.Muon keeps its state in its two inner optimizers (Muon on owned matrices, AdamW on shards).
         inner = (optimizer._muon, optimizer._adamw) if isinstance(optimizer, dmuon.Muon) else (optimizer,)
@@ -221,7 +223,7 @@ def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) ->
                 if isinstance(value, torch.Tensor):
                     tensors.append(value.to_local() if isinstance(value, DTensor) else value)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return sum(storages.values()) + (dmuon.held_bytes(model) if dedicated is not None else 0)
 
 
 def run_single_process(capstone: Capstone, optimizer: str, predicate=is_hidden_matrix,

@@ -187,18 +187,18 @@ class ResidencyProbe:
     """The most bytes of dedicated matrices this rank holds while any layer runs its forward.
 
     A forward pre-hook on each layer, registered after dmuon's own (so the layer's
-    matrices have just been made resident), sums what every dedicated matrix's storage
-    holds at that moment. Exact and deterministic, unlike a profiler's peak.
+    matrices have just been made resident), reads ``dmuon.held_bytes(model)`` at that
+    moment. Exact and deterministic, unlike a profiler's peak.
     """
 
     def __init__(self, model: nn.Module):
-        self.dedicated = list(dmuon.dedicate.state_of(model).params.values())  # what dmuon dedicated
+        self.model = model
         self.peak = 0
         for layer in model.layers:
             layer.register_forward_pre_hook(self._measure)
 
     def held_bytes(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self.dedicated)
+        return dmuon.held_bytes(self.model)
 
     def _measure(self, _module, _args) -> None:
         self.peak = max(self.peak, self.held_bytes())

@@ -44,7 +44,7 @@ clip_grad_norm_).
 
 from dmuon_edu.distributed import count_collectives as count_comm
 
-from .dedicate import dedicate_params, no_sync, ownership
+from .dedicate import dedicate_params, held_bytes, no_sync, ownership
 from .optim import Muon
 from .plan import imbalance, plan_owners
 from .state import (
@@ -63,6 +63,7 @@ __all__ = [
     "no_sync",
     "Muon",
     "ownership",
+    "held_bytes",
     "count_comm",
     "clip_grad_norm_",
     "get_model_state_dict",

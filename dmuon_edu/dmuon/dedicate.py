@@ -1,26 +1,33 @@
-"""dedicate_params: owners, residency (broadcast / free) and gradients (reduce / no_sync).
+"""dedicate_params: owners, residency (broadcast / release) and gradients (reduce / no_sync).
 
 Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
 ``model._dmuon``. Hooks, all registered by :func:`dedicate_params`:
 
 - on each *unit* (the module of a layer, see plan.layer_of), a forward pre-hook that
   makes the unit's dedicated parameters resident (one broadcast per owner and dtype,
-  packed), and a forward hook that, in Z3, frees them again and arranges for the
+  packed), and a forward hook that, in Z3, releases them again and arranges for the
   broadcast to be repeated when backward reaches the unit (a hook on the unit's
   outputs, which autograd runs before the unit's own backward);
 - on each dedicated parameter, a post-accumulate-grad hook: inside no_sync it moves
   ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad``,
   reduces (AVG) to the owner and adds the result into the owner's ``p._reduced_grad``.
-  Either way ``p.grad`` is left None. In Z3 a non-owner frees the parameter there.
+  Either way ``p.grad`` is left None. In Z3 a non-owner releases the parameter there.
 
-Storage is freed with ``untyped_storage().resize_(0)`` and refilled in place, the way
-FSDP does, so that autograd's saved references to the parameter stay valid; the
-refill preserves the version counter, so autograd does not see it as an in-place edit.
+A non-owner's parameter is a guarded placeholder between uses (placeholder.py). A
+matrix reached from several modules (tied weights) belongs to the unit of each of them;
+it stays resident while any of those units is.
+
+Mixed precision: when the unit sits under a ``fully_shard(..., mp_policy=...)`` with a
+``param_dtype``, the broadcast carries the matrix in that dtype and every rank, owner
+included, computes with that copy; the owner keeps its float32 master (``p._dmuon_master``)
+for the optimizer, gradients are reduced in the policy's ``reduce_dtype`` and
+accumulated under no_sync in the master's dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,35 +38,39 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
-from . import fsdp_exclusion
+from . import fsdp_exclusion, placeholder
 from .plan import layer_of, plan_owners
 
-__all__ = ["dedicate_params", "no_sync", "ownership", "DMuonState", "state_of"]
+__all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "DMuonState", "state_of"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Unit:
-    """The dedicated parameters of one layer, packed per (owner, dtype): one broadcast each."""
+    """The dedicated parameters one layer uses, packed per (owner, dtype): one broadcast each."""
 
     path: str
     packs: list[tuple[int, list[nn.Parameter]]]
     resident: bool = False
+    precision: tuple[torch.dtype | None, torch.dtype | None] | None = None  # (param_dtype, reduce_dtype), found lazily
 
 
 @dataclass
 class DMuonState:
+    model: nn.Module = field(repr=False)
     mesh: DeviceMesh
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
     owners: dict[str, int]  # name -> owner's rank in the mesh
     units: list[Unit] = field(default_factory=list)
-    unit_of: dict[nn.Parameter, Unit] = field(default_factory=dict)
+    units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
+    holders: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))  # resident units using p
     in_no_sync: bool = False
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
         self.rank = self.mesh.get_local_rank()
         self.world_size = self.mesh.size()
+        self.mesh_device = next(iter(self.params.values())).device
 
     @staticmethod
     def owner_of(p: nn.Parameter) -> int:
@@ -73,63 +84,95 @@ class DMuonState:
         """Every rank gets the unit's dedicated parameters: each owner broadcasts one packed buffer."""
         if unit.resident:
             return
+        param_dtype, _ = self.precision(unit)
         for owner, params in unit.packs:
+            dtype = param_dtype or params[0]._dmuon_dtype
             if owner == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
             else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
             dist.broadcast(flat, group=self.group, group_src=owner)
-            if owner != self.rank:
-                offset = 0
-                for p in params:
-                    _fill(p, flat[offset : offset + p.numel()])
-                    offset += p.numel()
+            offset = 0
+            for p in params:
+                values = flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape)
+                offset += p._dmuon_shape.numel()
+                if owner == self.rank:
+                    if dtype != p._dmuon_dtype:  # compute with the policy's copy; the master waits
+                        _set_data(p, values)
+                else:
+                    placeholder.hold(p, values)
+                self.holders[p] += 1
         unit.resident = True
 
     def release(self, unit: Unit) -> None:
-        """Non-owners free their copies of the unit's dedicated parameters."""
-        for owner, params in unit.packs:
-            if owner != self.rank:
-                for p in params:
-                    _free(p)
+        """The unit is done with its parameters: non-owners drop copies no resident unit uses."""
+        if not unit.resident:
+            return
+        for _, params in unit.packs:
+            for p in params:
+                self.holders[p] = max(0, self.holders[p] - 1)
+                if self.holders[p] == 0:
+                    self._drop(p)
         unit.resident = False
 
     def release_all(self) -> None:
+        """Every non-owner copy is dropped and every owner computes from its master again."""
+        for p in self.params.values():
+            self.holders[p] = 0
+            self._drop(p)
         for unit in self.units:
-            self.release(unit)
+            unit.resident = False
+
+    def _drop(self, p: nn.Parameter) -> None:
+        if self.owns(p):
+            _set_data(p, p._dmuon_master)
+        elif placeholder.is_resident(p):
+            placeholder.release(p)
+
+    def precision(self, unit: Unit) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(param_dtype, reduce_dtype) of the fully_shard mixed-precision policy over the unit, or Nones."""
+        if unit.precision is None:
+            policy = None
+            path = unit.path
+            while True:  # the unit's module, else its nearest ancestor that fully_shard wrapped
+                module = self.model.get_submodule(path)
+                if isinstance(module, FSDPModule):
+                    policy = module._get_fsdp_state()._mp_policy
+                    break
+                if not path:
+                    break
+                path = path.rpartition(".")[0]
+            unit.precision = (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
+        return unit.precision
 
     # -- gradients -----------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
         """Called once p.grad holds this backward's whole gradient."""
         g, p.grad = p.grad, None
+        _, reduce_dtype = self.precision(self.units_of[p][0])
+        g = g.to(p._dmuon_dtype)  # accumulate and keep in the master's precision
         if self.in_no_sync:
             p._accumulated_grad = g if p._accumulated_grad is None else p._accumulated_grad.add_(g)
         else:
             if p._accumulated_grad is not None:
                 g, p._accumulated_grad = p._accumulated_grad.add_(g), None
-            g = g.contiguous()
+            wire = g.to(reduce_dtype or g.dtype).contiguous()
             owner = self.owner_of(p)
-            dist.reduce(g, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
+            dist.reduce(wire, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
             if owner == self.rank:
+                g = wire.to(p._dmuon_dtype)
                 p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
         if self.reshard_after_forward:
             # On every rank alike, owner or not, so that all ranks agree on the next broadcast.
-            self.unit_of[p].resident = False
-            if not self.owns(p):
-                _free(p)
+            for unit in self.units_of[p]:
+                unit.resident = False
+            self.holders[p] = 0
+            self._drop(p)
 
 
-def _free(p: torch.Tensor) -> None:
-    p.untyped_storage().resize_(0)
-
-
-def _fill(p: torch.Tensor, values: torch.Tensor) -> None:
-    """Give p its storage back and copy values in, invisibly to autograd's version checks."""
-    storage = p.untyped_storage()
-    if storage.nbytes() == 0:
-        storage.resize_(p.numel() * p.element_size())
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
-        p.copy_(values.view_as(p))
+def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = values
 
 
 def state_of(model: nn.Module) -> DMuonState:
@@ -224,41 +267,70 @@ def dedicate_params(
         if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
             raise ValueError(f"{name} shares its storage with another tensor; dedicated parameters need their own")
 
+    _require_the_same_selection_on_every_rank(params, mesh.get_group())
     owners = plan_owners({name: tuple(p.shape) for name, p in params.items()}, mesh.size())
-    state = DMuonState(mesh, reshard_after_forward, params, owners)
-    _build_units(model, state)
+    state = DMuonState(model, mesh, reshard_after_forward, params, owners)
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, owners[name])
+        p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = p.shape, p.dtype, p.data
         p._reduced_grad = None
         p._accumulated_grad = None
+        if owners[name] != state.rank:
+            p._dmuon_master = None
+            placeholder.make_placeholder(p, name, owners[name], state.rank)
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(state.on_grad)
+    _build_units(model, state)
     model._dmuon = state
-    state.release_all()
     return dict(owners)
 
 
+def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], group) -> None:
+    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair wrongly."""
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in params.items()]
+    everyone: list = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as error:
+        raise RuntimeError(
+            "dedicate_params: not every rank called dedicate_params within the collective timeout. Every rank "
+            "must call it, with the same model and predicate"
+        ) from error
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            first = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
+            raise RuntimeError(
+                f"dedicate_params: rank {dist.get_rank(group)} and rank {rank} selected different matrices; the first "
+                f"difference is {first[0]} here and {first[1]} there (name, shape, dtype). The predicate must "
+                "select the same parameters on every rank: make it depend on names and shapes only"
+            )
+
+
 def _build_units(model: nn.Module, state: DMuonState) -> None:
-    by_path: dict[str, list[str]] = {}
-    for name in state.params:
-        by_path.setdefault(_unit_path(model, name), []).append(name)
-    for path, names in by_path.items():
+    """One unit per layer that uses dedicated matrices; a tied matrix joins the unit of every module that holds it."""
+    by_path: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    dedicated = {p: name for name, p in state.params.items()}
+    for alias, p in model.named_parameters(remove_duplicate=False):
+        if p in dedicated:
+            by_path.setdefault(_unit_path(model, alias), []).append((alias, p))
+    for path, aliases in by_path.items():
         packs: dict[tuple[int, str], list[nn.Parameter]] = {}
-        for name in names:
-            p = state.params[name]
-            packs.setdefault((state.owners[name], str(p.dtype)), []).append(p)
+        for _, p in aliases:
+            pack = packs.setdefault((state.owner_of(p), str(p._dmuon_dtype)), [])
+            if all(q is not p for q in pack):  # identity: == on tensors compares values
+                pack.append(p)
         unit = Unit(path, [(owner, ps) for (owner, _), ps in sorted(packs.items())])
         state.units.append(unit)
         for ps in packs.values():
             for p in ps:
-                state.unit_of[p] = unit
+                state.units_of[p].append(unit)
         module = model.get_submodule(path)
         module.register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
         module.register_forward_hook(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output))
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
-        for own in {name.rpartition(".")[0] for name in names} - {path}:
+        for own in {alias.rpartition(".")[0] for alias, _ in aliases} - {path}:
             model.get_submodule(own).register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
 
 
@@ -320,3 +392,23 @@ def ownership(model: nn.Module) -> dict[str, int]:
         ValueError: ``dedicate_params`` was never called on ``model``.
     """
     return dict(state_of(model).owners)
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of dedicated-matrix values this rank holds right now, each storage counted once.
+
+    An owner holds its matrices (and, under a mixed-precision policy while a layer uses
+    them, their compute copies); a non-owner holds only the copies that are resident,
+    i.e. nothing between optimizer steps. Exact, unlike a profiler's peak.
+
+    Raises:
+        ValueError: ``dedicate_params`` was never called on ``model``.
+    """
+    state = state_of(model)
+    storages: dict[int, int] = {}
+    with torch._C.DisableTorchFunctionSubclass():
+        for p in state.params.values():
+            for t in (p, p._dmuon_master) if state.owns(p) else (p,):
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -144,11 +144,20 @@ class Muon(torch.optim.Optimizer):
                 "optimizer.step() inside dmuon.no_sync(model): the gradients are not reduced yet. "
                 "Run the last micro-batch's forward and backward outside no_sync, then step"
             )
+        pending = next((name for name, p in self._dmuon.params.items() if p._accumulated_grad is not None), None)
+        if pending is not None:
+            raise RuntimeError(
+                f"optimizer.step() after a window whose every backward ran inside dmuon.no_sync(model): {pending} "
+                "(and every other gradient) was accumulated but never reduced, and FSDP2 has not reduce-scattered "
+                "its own. Run the window's last forward and backward outside no_sync, then step"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._push_hyperparameters()
+        # Owners step their masters; no copy a layer used is needed after the last backward.
+        self._dmuon.release_all()
         if not self._gradients_finite():
             self.skipped_steps += 1
             warnings.warn(
@@ -157,7 +166,6 @@ class Muon(torch.optim.Optimizer):
                 "learning rate, an fp16 overflow, a bad batch)",
                 RuntimeWarning,
             )
-            self._dmuon.release_all()
             return loss
         for p in self._owned:
             p.grad = p._reduced_grad
@@ -167,8 +175,6 @@ class Muon(torch.optim.Optimizer):
             for p in self._owned:
                 p.grad = None
         self._adamw.step()
-        # The owners' matrices changed: every other copy is stale.
-        self._dmuon.release_all()
         return loss
 
     def _gradients_finite(self) -> bool:

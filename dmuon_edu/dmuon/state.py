@@ -60,7 +60,8 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
 def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
     """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (None elsewhere)."""
     owner = state.owner_of(p)
-    buffer = value.detach().clone() if owner == state.rank else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+    buffer = (value.detach().clone() if owner == state.rank
+              else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
     dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
 
@@ -102,13 +103,18 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
             something unsupported.
     """
     options, state = _options(options), state_of(model)
-    result = {}
-    for name, value in model.state_dict().items():
-        if name in state.params:
-            p = state.params[name]
-            value = _full(state, p, p if state.owns(p) else None)
-        result[name] = _out(value, options)
+    result, fetched = {}, {}
+    for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
+        if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
+            if id(value) not in fetched:
+                fetched[id(value)] = _full(state, value, value._dmuon_master if state.owns(value) else None)
+            value = fetched[id(value)]
+        result[name] = _out(value.detach(), options)
     return result
+
+
+def _is_dedicated(state: DMuonState, tensor: torch.Tensor) -> bool:
+    return any(tensor is p for p in state.params.values())
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], options: StateDictOptions | None = None):
@@ -131,7 +137,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
             something unsupported.
     """
     options, state = _options(options), state_of(model)
-    targets = model.state_dict()
+    targets = model.state_dict(keep_vars=True)  # the parameters themselves: no read of a placeholder
     missing = [k for k in targets if k not in model_state_dict]
     unexpected = [k for k in model_state_dict if k not in targets]
     if options.strict and (missing or unexpected):
@@ -139,11 +145,10 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
     for name, target in targets.items():
         if name not in model_state_dict:
             continue
-        value = model_state_dict[name]
-        if name in state.params:
-            p = state.params[name]
-            if state.owns(p):
-                _copy_into(p, value)
+        value = model_state_dict[name].detach()  # a state dict of parameters may track gradients
+        if _is_dedicated(state, target):
+            if state.owns(target):
+                _copy_into(target._dmuon_master, value)
         else:
             _copy_into(target, value)
     state.release_all()  # non-owner copies may be stale now

@@ -10,6 +10,9 @@ locally: a plain copy of the model on the whole global batch, dmuon_edu.muon.Muo
 """
 
 import contextlib
+import copy
+import datetime
+import io
 import json
 import sys
 
@@ -18,12 +21,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu import distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
+from dmuon_edu.dmuon.placeholder import is_resident
 
 IN, D, H, OUT, LAYERS = 5, 16, 32, 3, 3
 HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original", ns_steps=5)
@@ -50,11 +54,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, tied=False):
         super().__init__()
         self.embed = nn.Linear(IN, D)  # 2-D but not selected: AdamW
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = nn.Linear(D, OUT)  # 3 rows over 4 ranks: uneven FSDP2 shards
+        if tied:  # one matrix reached from two layers (cross-layer sharing, as in ALBERT)
+            self.layers[2].up_proj.weight = self.layers[0].up_proj.weight
 
     def forward(self, x):
         x = self.embed(x)
@@ -81,13 +87,14 @@ def window(step, rank, world):
     return mine, (x, y), total
 
 
-def build(mesh, zero3, seed=0):
+def build(mesh, zero3, seed=0, tied=False, mp_policy=None):
     torch.manual_seed(seed)
-    model = Net().to(mesh.device_type)
+    model = Net(tied).to(mesh.device_type)
     dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                      adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
     return model, opt
@@ -120,14 +127,14 @@ def full_params(model):
     return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
 
 
-def check_equivalence(mesh, zero3, use_no_sync):
+def check_equivalence(mesh, zero3, use_no_sync, tied=False):
     """Train dmuon and the single-process reference side by side; compare after every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    label = f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}"
-    model, opt = build(mesh, zero3)
+    label = f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}{'_tied' * tied}"
+    model, opt = build(mesh, zero3, tied=tied)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net(tied)
     ref_muon = muon.Muon([p for n, p in ref.named_parameters() if predicate(n, p)], **HYPER, ns_dtype=torch.float32)
     ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if not predicate(n, p)], **ADAMW)
     ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (ref_muon, ref_adamw)]
@@ -156,7 +163,7 @@ def check_equivalence(mesh, zero3, use_no_sync):
         ours = full_params(model)
         max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
 
-    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params(tied)))
     report(f"equivalence_{label}", max_abs_diff=max_diff, largest_change=moved, steps=STEPS, k=K,
            clip_norm_rel_diff=max_norm_rel, clipped_steps=int(clipped))
     comm_all = per_rank(comm)
@@ -164,18 +171,150 @@ def check_equivalence(mesh, zero3, use_no_sync):
     report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in per_rank(storage)))
 
 
-def _initial_params():
+def _initial_params(tied=False):
     torch.manual_seed(0)
-    return [p.detach() for p in Net().parameters()]
+    return [p.detach() for p in Net(tied).parameters()]
+
+
+def check_placeholders(mesh):
+    """A non-owner's matrix between uses: metadata answered, every read refused by name, the same objects."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(mesh, zero3=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    state = model._dmuon
+    ids_before = [id(p) for p in model.parameters()]
+    name, p = next((n, q) for n, q in state.params.items() if not state.owns(q))
+    refusals = {}
+    for what, read in [("norm", lambda: p.norm()), ("clone", lambda: p.clone()), ("data", lambda: p.data),
+                       ("detach", lambda: p.detach()), ("torch.save", lambda: torch.save(p, io.BytesIO())),
+                       ("ema", lambda: torch._foreach_mul_([p], 0.9)),
+                       ("model.state_dict", lambda: model.state_dict()),
+                       ("torch.save(state_dict)", lambda: torch.save(model.state_dict(), io.BytesIO()))]:
+        try:
+            read()
+            refusals[what] = None
+        except RuntimeError as error:
+            refusals[what] = str(error)
+    for step in range(2):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+    owner = state.owner_of(p)
+    report("placeholders", matrix=name, owner=owner, refusals=refusals,
+           shape=list(p.shape), size=list(p.size()), numel=p.numel(), expected_shape=list(_shape_of(name)),
+           same_objects=ids_before == [id(q) for q in model.parameters()], resident=is_resident(p),
+           repr_names_owner=f"owned by rank {owner}" in repr(p))
+
+
+def check_mixed_precision(mesh, zero3):
+    """FSDP2's bf16 policy with dedicated matrices, against one process computing in the same precision.
+
+    The reference runs every rank's micro-batches in turn through a bf16 copy of its float32
+    master model (FSDP2 casts parameters and inputs to param_dtype), sums the bf16 gradients
+    in float32 and averages over ranks (reduce_dtype), then steps float32 Muon and AdamW:
+    the same arithmetic as the distributed run, in another order of float32 sums, so the
+    float32 tolerance applies.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, opt = build(mesh, zero3, mp_policy=policy)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    state = model._dmuon
+    seen = set()
+    model.layers[0].q_proj.register_forward_pre_hook(lambda m, a: seen.add(str(m.weight.dtype)))
+    torch.manual_seed(0)
+    ref = Net()
+    ref_muon = muon.Muon([p for n, p in ref.named_parameters() if predicate(n, p)], **HYPER, ns_dtype=torch.float32)
+    ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if not predicate(n, p)], **ADAMW)
+    ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (ref_muon, ref_adamw)]
+    max_diff, broadcast_bytes = 0.0, None
+    for step in range(STEPS):
+        mine, _, total = window(step, rank, world)
+        with dmuon.count_comm() as counts:
+            train_window(model, opt, sched, mine, total, use_no_sync=True)
+        broadcast_bytes = broadcast_bytes or counts.bytes.get("broadcast", 0)
+        low = copy.deepcopy(ref).to(torch.bfloat16)
+        summed = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            for x, y in window(step, r, world)[0]:
+                loss = F.mse_loss(low(x.to(torch.bfloat16)), y, reduction="sum") * world / (total * OUT)
+                loss.backward()
+                for acc, q in zip(summed, low.parameters()):
+                    acc.add_(q.grad.float())
+                low.zero_grad()
+        for p, g in zip(ref.parameters(), summed):
+            p.grad = g / world
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        for o in (ref_muon, ref_adamw):
+            o.step()
+            o.zero_grad()
+        for s in ref_scheds:
+            s.step()
+        ours = full_params(model)
+        max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+    owned = [p for p in state.params.values() if state.owns(p)]
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
+    report(f"mixed_precision_{'z3' if zero3 else 'z2'}", max_abs_diff=max_diff, largest_change=moved,
+           forward_dtypes=sorted(seen),
+           master_dtypes=sorted({str(p.dtype) for p in owned}),
+           momentum_dtypes=sorted({str(opt._muon.state[p]["momentum_buffer"].dtype) for p in owned}),
+           broadcast_bytes=broadcast_bytes, dedicated_bytes_fp32=dedicated_bytes(ref), zero3=zero3, k=K)
+
+
+def check_misuse(mesh):
+    """Mistakes that used to pass silently or crash natively now raise, on every rank, with a message."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    # A window whose every micro-batch ran inside no_sync: nothing was reduced.
+    model, opt = build(mesh, zero3=True)
+    mine, _, total = window(0, rank, world)
+    for x, y in mine:
+        with dmuon.no_sync(model):
+            F.mse_loss(model(x), y).backward()
+    outcome["step_after_all_no_sync"] = error_of(opt.step)
+    # A predicate that depends on the rank: the ranks would pair their broadcasts wrongly.
+    torch.manual_seed(0)
+    skewed = Net().to(mesh.device_type)
+    outcome["rank_dependent_predicate"] = error_of(lambda: dmuon.dedicate_params(
+        skewed, mesh, lambda n, p: predicate(n, p) and not (rank == 1 and n == "layers.1.k_proj.weight")))
+    # One rank never calls dedicate_params: the others give up at the group's timeout, with a message.
+    short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+    if rank == 0:
+        torch.manual_seed(0)
+        outcome["a_rank_never_calls"] = error_of(lambda: dmuon.dedicate_params(Net(), short, predicate))
+    distributed.barrier()
+    # torch.autocast around dmuon's forward and backward.
+    model, opt = build(mesh, zero3=True)
+    with torch.autocast(mesh.device_type, dtype=torch.bfloat16):
+        out = model(mine[0][0])
+    F.mse_loss(out.float(), mine[0][1]).backward()
+    outcome["autocast_step"] = error_of(opt.step)
+    outcome["autocast_output_dtype"] = str(out.dtype)
+    report("misuse", **per_rank_outcomes(outcome))
+
+
+def per_rank_outcomes(outcome):
+    return {key: [o.get(key) for o in per_rank(outcome)] for key in sorted(set().union(*per_rank(outcome)))}
+
+
+def error_of(fn):
+    try:
+        fn()
+        return None
+    except RuntimeError as error:
+        return str(error)
+
+
+def _shape_of(name):
+    torch.manual_seed(0)
+    return dict(Net().named_parameters())[name].shape
 
 
 def _storage_ok(model):
     """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them."""
-    state, ok = model._dmuon, True
-    for name, p in state.params.items():
-        nbytes = p.untyped_storage().nbytes()
-        ok &= nbytes == (p.numel() * p.element_size() if state.owns(p) else 0)
-    return bool(ok)
+    state = model._dmuon
+    owned = sum(p.numel() * p.element_size() for p in state.params.values() if state.owns(p))
+    return dmuon.held_bytes(model) == owned and not any(
+        is_resident(p) for p in state.params.values() if not state.owns(p))
 
 
 def check_structure(mesh):
@@ -226,9 +365,9 @@ def check_structure(mesh):
     resident = []
     with dmuon.no_sync(model):
         model(x).sum().backward()
-    resident.append(all(p.untyped_storage().nbytes() > 0 for p in state.params.values()))
+    resident.append(all(is_resident(p) for p in state.params.values()))
     model(x).sum().backward()
-    resident.append(all(p.untyped_storage().nbytes() > 0 for p in state.params.values()))
+    resident.append(all(is_resident(p) for p in state.params.values()))
     opt.step()
     opt.zero_grad()
     report("z2_residency", resident_through_window=all(all(r) for r in per_rank(resident)),
@@ -269,9 +408,13 @@ def main():
         DEVICE[0] = ranks.device
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference runs in true float32 on the CPU
         check_structure(mesh)
+        check_placeholders(mesh)
+        check_misuse(mesh)
         for zero3 in (True, False):
             for use_no_sync in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync)
+            check_equivalence(mesh, zero3, use_no_sync=True, tied=True)
+            check_mixed_precision(mesh, zero3)
         check_state_dict(mesh, directory)
         distributed.print0("ALL CHECKS RAN")
 

@@ -1,0 +1,124 @@
+"""What a rank holds of a dedicated matrix it does not own: a guarded placeholder.
+
+Between uses a non-owner keeps no values of the matrix. Its Parameter stays the same
+object (``model.parameters()`` returns it at every step, so a user's EMA, an optimizer
+or a compiled block sees one stable tensor), but its data is a zero-element tensor of
+the matrix's dtype and device. The object's class becomes :class:`DedicatedParameter`,
+an nn.Parameter whose ``__torch_function__``:
+
+- answers metadata with the matrix's own: ``shape``, ``size()``, ``dim()``, ``numel()``,
+  dtype, device, ``requires_grad``, ``grad``;
+- raises a RuntimeError for anything that reads values (``p.norm()``, ``p.clone()``,
+  ``p.data``, ``p.detach()``, ``torch.save``, ``model.state_dict()``), naming the
+  matrix, its owner and what to call instead;
+- passes every call through untouched while the matrix is resident, i.e. between the
+  broadcast that fills it for a layer's forward (or backward) and its release.
+
+dmuon swaps the data with :func:`hold` and :func:`release` (views of the broadcast
+buffer, and the placeholder). Replacing ``.data`` keeps the TensorImpl, so autograd's
+saved references to the parameter stay valid and see the refilled values in backward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+__all__ = ["DedicatedParameter", "make_placeholder", "hold", "release", "is_resident"]
+
+# Metadata a placeholder answers for the matrix: these read no values.
+_SHAPE_ANSWERS = {
+    "shape": lambda p, *a: p._dmuon_shape,
+    "size": lambda p, dim=None: p._dmuon_shape if dim is None else p._dmuon_shape[dim],
+    "dim": lambda p: len(p._dmuon_shape),
+    "ndim": lambda p: len(p._dmuon_shape),
+    "numel": lambda p: p._dmuon_shape.numel(),
+    "nelement": lambda p: p._dmuon_shape.numel(),
+}
+# Calls the placeholder itself answers correctly (it has the matrix's dtype and device).
+_PASS_THROUGH = {
+    "dtype", "device", "layout", "is_leaf", "requires_grad", "requires_grad_", "grad", "grad_fn", "_version",
+    "itemsize", "element_size", "is_floating_point", "is_complex", "is_cuda", "is_cpu", "is_meta",
+    "register_hook", "register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks", "_backward_hooks",
+    "__hash__", "__class__", "__dict__", "_is_param",
+}
+
+
+def _tensors_in(values):
+    """The arguments, and the items of list and tuple arguments (torch._foreach_* take lists)."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def _name_of(func) -> str:
+    # Attribute access arrives as the descriptor's __get__ / __set__ (a method-wrapper).
+    return func.__self__.__name__ if isinstance(func, types.MethodWrapperType) else getattr(func, "__name__", "")
+
+
+class DedicatedParameter(nn.Parameter):
+    """A dedicated matrix on a rank that does not own it (see the module docstring)."""
+
+    _dmuon_name: str
+    _dmuon_owner: int
+    _dmuon_rank: int
+    _dmuon_shape: torch.Size
+    _dmuon_resident: bool
+
+    @classmethod
+    def __torch_function__(cls, func, _types=(), args=(), kwargs=None):
+        kwargs = kwargs or {}
+        absent = [a for a in _tensors_in((*args, *kwargs.values())) if isinstance(a, DedicatedParameter)
+                  and not a._dmuon_resident]
+        if absent:
+            name = _name_of(func)
+            if name in _SHAPE_ANSWERS and args and args[0] is absent[0] and len(absent) == 1:
+                return _SHAPE_ANSWERS[name](*args, **kwargs)
+            if name == "__repr__":
+                return absent[0]._describe()
+            if name not in _PASS_THROUGH:
+                raise RuntimeError(absent[0]._refusal(name))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _describe(self) -> str:
+        return (f"DedicatedParameter({self._dmuon_name}: shape {tuple(self._dmuon_shape)}, {self.dtype}, owned by "
+                f"rank {self._dmuon_owner}; rank {self._dmuon_rank} holds no copy between uses)")
+
+    def _refusal(self, operation: str) -> str:
+        return (
+            f"{self._dmuon_name} is owned by rank {self._dmuon_owner}; rank {self._dmuon_rank} holds no copy of it "
+            f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
+            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner}"
+        )
+
+
+def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
+    """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident."""
+    shape = p.shape
+    p.__class__ = DedicatedParameter
+    p._dmuon_name, p._dmuon_owner, p._dmuon_rank, p._dmuon_shape = name, owner, rank, shape
+    release(p)
+
+
+def is_resident(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds the matrix's values now (always, on its owner)."""
+    return not isinstance(p, DedicatedParameter) or p._dmuon_resident
+
+
+def hold(p: DedicatedParameter, values: torch.Tensor) -> None:
+    """Make ``p`` resident with ``values`` (a tensor of the matrix's shape; no copy is made)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = values
+    p._dmuon_resident = True
+
+
+def release(p: DedicatedParameter) -> None:
+    """Drop ``p``'s values: its data becomes a zero-element tensor of its dtype and device."""
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p._dmuon_resident = False
