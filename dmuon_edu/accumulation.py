@@ -83,8 +83,10 @@ def train_step_with_accumulation(
         over total count for summed losses.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, or ``microbatches`` is not a list of
-            ``(inputs, targets)`` pairs with tensor targets.
+        TypeError: ``loss_fn`` is not callable, ``microbatches`` is not a list of
+            ``(inputs, targets)`` pairs with tensor targets, or the optimizer is a
+            dmuon.Muon and the window needs clipping or an item-count correction (both
+            act on p.grad, where dmuon.Muon keeps no matrix gradient).
         ValueError: ``microbatches`` or one of them is empty, ``max_grad_norm`` is not
             positive, ``loss_fn`` returns a non-scalar or mixes means and pairs, or a
             window of summed losses counts no item.
@@ -97,6 +99,12 @@ def train_step_with_accumulation(
             "pass a function such as torch.nn.functional.mse_loss"
         )
     require_max_grad_norm(max_grad_norm)
+    if max_grad_norm is not None and _gradients_outside_grad(optimizer):
+        raise TypeError(
+            "train_step_with_accumulation clips what p.grad holds, but dmuon.Muon keeps each matrix's gradient "
+            "on its owner: clip with dmuon.clip_grad_norm_(model, max_norm) after the window's last backward, "
+            "in the loop of dmuon's accumulation guide (micro-batches inside dmuon.no_sync, then step)"
+        )
     if scaler is not None:
         _require_fresh_scaler_window(scaler, optimizer)
     sample_counts = _sample_counts(microbatches)
@@ -170,6 +178,13 @@ class _Window:
                 "(are all targets padding?); skip such windows"
             )
         if self.item_total != self.provisional_total:
+            if _gradients_outside_grad(optimizer):
+                raise TypeError(
+                    "the micro-batches hold different numbers of items, so their gradients need a correction "
+                    "that train_step_with_accumulation applies to p.grad, and dmuon.Muon keeps each matrix's "
+                    "gradient on its owner: with dmuon, divide each summed loss by the window's item count "
+                    "yourself, in the loop of dmuon's accumulation guide"
+                )
             correction = self.provisional_total / self.item_total
             for p in _parameters_with_grad(optimizer):
                 p.grad.mul_(correction)
@@ -297,6 +312,12 @@ def _require_fresh_scaler_window(scaler: torch.amp.GradScaler, optimizer: torch.
             "(scaler.update() has not run since): let train_step_with_accumulation do unscale_, step "
             "and update, once per window"
         )
+
+
+def _gradients_outside_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer is a dmuon.Muon, whose matrices' gradients are not in p.grad (duck-typed:
+    this module sits below dmuon)."""
+    return getattr(optimizer, "_dmuon", None) is not None
 
 
 def _parameters_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

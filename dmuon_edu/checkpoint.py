@@ -2,13 +2,14 @@
 
     from dmuon_edu import checkpoint, dmuon
 
-    state = {"model": dmuon.get_model_state_dict(model),
-             "optim": dmuon.get_optimizer_state_dict(model, optimizer),
+    sharded = dmuon.StateDictOptions()       # torch.distributed.checkpoint's flow: shards stay shards
+    state = {"model": dmuon.get_model_state_dict(model, sharded),
+             "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded),
              "scheduler": scheduler.state_dict()}
     checkpoint.save(state, "ckpt/step-100")          # every rank calls it
 
     # resume: the same dict from a freshly built model and optimizer, filled in place
-    state = {"model": dmuon.get_model_state_dict(model), ...}
+    state = {"model": dmuon.get_model_state_dict(model, sharded), ...}
     checkpoint.load(state, "ckpt/step-100")
     dmuon.set_model_state_dict(model, state["model"]) ...
 

@@ -11,19 +11,19 @@ including those that DDP and FSDP2 issue from C++ (they all pass through the
 dispatcher's ``c10d`` ops): the way to check "one all-reduce per optimizer step".
 
 Why :func:`barrier` and not ``torch.distributed.barrier`` at the end of a script: a
-gloo collective runs on a worker thread of the process group, which drops its reference
-to the work just *after* telling the caller that the work is done. If Python has let go
-of a tensor of that work meanwhile, releasing it needs the GIL; once the interpreter
-has begun to finalize, Python 3.11 ends a thread that asks for the GIL with
-pthread_exit, whose forced unwind reaches a noexcept C++ frame, and std::terminate
-aborts the rank ("terminate called without an active exception", SIGABRT) after all
-its work is done. gloo's barrier makes that likely: its work holds every collective
-still in progress when it was issued, until a worker destroys it right after the
-script was told to go on. ``destroy_process_group`` does not stop the workers while a
-DeviceMesh or FSDP2 state still refers to the group, so the interpreter's exit is where
-it happens (benchmarks/README.md has the core dumps' stack and the rates).
-:func:`barrier` all-reduces a tensor that this module keeps for the life of the
-process instead, so its work holds nothing that Python must free.
+gloo collective runs on one of the process group's two worker threads, which drops its
+reference to the work just *after* telling the caller that the work is done, and
+dropping a tensor that has a Python object needs the GIL. Once the interpreter has begun
+to finalize, Python 3.11 ends a thread that asks for the GIL with pthread_exit, whose
+forced unwind reaches a noexcept C++ frame, and std::terminate aborts the rank
+("terminate called without an active exception", SIGABRT) after all its work is done.
+gloo's barrier makes that likely: its work holds every collective still in progress when
+it was issued, until a worker destroys it right after the script was told to go on.
+``destroy_process_group`` does not stop the workers while a DeviceMesh or FSDP2 state
+still refers to the group, so the interpreter's exit is where it happens.
+:func:`barrier` all-reduces a tensor of its own instead, then waits, with the GIL
+released, until the worker has dropped that work, and a moment more for the other
+worker (benchmarks/README.md has the core dumps' stacks and the rates measured).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ COLLECTIVE_TIMEOUT_S = 60
 
 # barrier()'s tensors, one per (group, device), kept until the process ends (see the module docstring).
 _BARRIER_TENSORS: dict[tuple[str, torch.device], torch.Tensor] = {}
+# How long barrier() waits for gloo's workers to drop their works: at most, and then a moment more.
+_RELEASE_WAIT_S = 5.0
+_RELEASE_GRACE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,10 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of ``group`` (the default group if None) has reached this call.
 
-    Like ``torch.distributed.barrier``, but safe as a script's last collective on gloo
-    (see the module docstring): it all-reduces a one-element tensor that is kept for
-    the life of the process, on the CPU for gloo and on the current GPU for NCCL.
+    Like ``torch.distributed.barrier``, but meant to be a gloo script's last collective
+    (see the module docstring): it all-reduces a one-element tensor of its own (on the
+    CPU for gloo, on the current GPU for NCCL) and, on gloo, then waits up to 5 s, with
+    the GIL released, for the group's workers to drop their works.
 
     Raises:
         RuntimeError: there is no process group.
@@ -125,7 +130,23 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     key = (group.group_name, device)
     if key not in _BARRIER_TENSORS:
         _BARRIER_TENSORS[key] = torch.zeros(1, device=device)
-    dist.all_reduce(_BARRIER_TENSORS[key], group=group)
+    tensor = _BARRIER_TENSORS[key]
+    dist.all_reduce(tensor, group=group)
+    if backend == "gloo":
+        _let_gloo_workers_release(tensor)
+
+
+def _let_gloo_workers_release(tensor: torch.Tensor) -> None:
+    """Wait, with the GIL released, until gloo's workers have let go of their last works.
+
+    The worker that ran ``tensor``'s all-reduce has dropped it once the tensor's use count
+    is back to Python's one reference; the group's other worker gets a moment more to drop
+    the work it ran before. Both waits are bounded: this never hangs.
+    """
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(_RELEASE_GRACE_S)
 
 
 def print0(*args, **kwargs) -> None:

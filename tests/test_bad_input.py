@@ -13,6 +13,7 @@ import pytest
 from helpers import Tiny
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -55,6 +56,19 @@ def negative_adamw_lr_set_after_construction(mesh):
 def optimizer_of_another_model(mesh):
     model, other = dedicated(mesh), dedicated(mesh)
     dmuon.get_optimizer_state_dict(model, dmuon.Muon(other))
+
+
+def accumulated_and_clipped_with_dmuon(mesh):
+    model = dedicated(mesh)
+    batch = (torch.randn(3, 4), torch.randn(3, 4))
+    dmuon_edu.train_step_with_accumulation(model, dmuon.Muon(model), [batch], F.mse_loss, max_grad_norm=1.0)
+
+
+def torch_dcp_state_dict_of_dmuon(mesh):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = dedicated(mesh)
+    get_state_dict(model, dmuon.Muon(model))
 
 
 def lm_step(loss_fn):
@@ -189,6 +203,13 @@ CASES = [
     ("dmuon/unsupported_state_dict_option", lambda mesh: dmuon.get_model_state_dict(
         dedicated(mesh), dmuon.StateDictOptions(broadcast_from_rank0=True)), ValueError, "use full_state_dict, cpu_offload"),
     ("dmuon/plan_owners_world_size_zero", lambda mesh: dmuon.plan_owners({"w": (2, 2)}, 0), ValueError, "an int >= 1"),
+    ("dmuon/train_step_with_accumulation_clipping", accumulated_and_clipped_with_dmuon, TypeError,
+     "clip with dmuon.clip_grad_norm_(model, max_norm)"),
+    ("dmuon/torch_dcp_get_state_dict", torch_dcp_state_dict_of_dmuon, RuntimeError, "dmuon.get_optimizer_state_dict"),
+    ("dmuon/state_dict_options_and_flags", lambda mesh: dmuon.get_model_state_dict(
+        dedicated(mesh), dmuon.StateDictOptions(), rank0_only=False), TypeError, "not both"),
+    ("dmuon/clip_grad_norm_of_a_list", lambda mesh: dmuon.clip_grad_norm_([], 1.0), TypeError,
+     "takes the model or its dmuon.Muon"),
 ]
 
 

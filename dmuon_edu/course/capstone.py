@@ -92,6 +92,8 @@ class Capstone:
     global_microbatch: int = 16  # sequences, split over the ranks
     eval_sequences: int = 1024
     muon_lr: float = 0.02
+    # Muon's update scale, given to Muon and dmuon alike (their defaults differ): Keller Jordan's sqrt(max(1, m/n)).
+    muon_scale: str = "original"
     adamw_lr: float = 1e-2  # AdamW alone, and AdamW's share of Muon and dmuon (embeddings, norms, biases, head)
     seed: int = 0
 
@@ -142,7 +144,8 @@ def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
         raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS} (dmuon runs under torchrun)")
     matrices = [p for n, p in model.named_parameters() if predicate(n, p)]
     others = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    return [Muon(matrices, lr=capstone.muon_lr), torch.optim.AdamW(others, lr=capstone.adamw_lr)]
+    return [Muon(matrices, lr=capstone.muon_lr, adjust_lr_fn=capstone.muon_scale),
+            torch.optim.AdamW(others, lr=capstone.adamw_lr)]
 
 
 def train(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], microbatches, accum_steps: int, *,
@@ -264,7 +267,7 @@ def _run_dmuon(capstone: Capstone, mode: str, ranks, mesh) -> dict:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(model, lr=capstone.muon_lr, adamw_lr=capstone.adamw_lr)
+    optimizer = dmuon.Muon(model, lr=capstone.muon_lr, adamw_lr=capstone.adamw_lr, adjust_lr_fn=capstone.muon_scale)
     probe = ResidencyProbe(model)
     microbatches = [tuple(t.to(ranks.device) for t in batch)
                     for batch in capstone.local(capstone.microbatches(), ranks.rank, ranks.world_size)]

@@ -48,7 +48,10 @@ __all__ = [
 
 WIDTH, HIDDEN, LAYERS = 32, 64, 3
 # float32 Newton-Schulz on both sides, so that only the order of floating-point sums differs.
-MUON_HYPERPARAMETERS = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32)
+# adjust_lr_fn is given on both sides: dmuon.Muon's default scale (the public project's) is not
+# dmuon_edu.muon.Muon's, and the reference must take the same step.
+MUON_HYPERPARAMETERS = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32,
+                            adjust_lr_fn="original")
 ADAMW_LR = 1e-2  # module 5's AdamW learning rate, for everything that is not a Muon matrix
 
 

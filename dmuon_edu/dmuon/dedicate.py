@@ -280,7 +280,7 @@ def dedicate_params(
             p._dmuon_master = None
             placeholder.make_placeholder(p, name, owners[name], state.rank)
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(state.on_grad)
+            p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
     _build_units(model, state)
     model._dmuon = state
     return dict(owners)
@@ -326,12 +326,18 @@ def _build_units(model: nn.Module, state: DMuonState) -> None:
             for p in ps:
                 state.units_of[p].append(unit)
         module = model.get_submodule(path)
-        module.register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
-        module.register_forward_hook(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output))
+        module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: state.make_resident(unit)))
+        module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
         for own in {alias.rpartition(".")[0] for alias, _ in aliases} - {path}:
-            model.get_submodule(own).register_forward_pre_hook(lambda _m, _args, unit=unit: state.make_resident(unit))
+            model.get_submodule(own).register_forward_pre_hook(
+                _outside_dynamo(lambda _m, _args, unit=unit: state.make_resident(unit)))
+
+
+def _outside_dynamo(hook):
+    """A hook torch.compile runs eagerly, between graphs: collectives and data swaps are not traced."""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _unit_path(model: nn.Module, name: str) -> str:
@@ -347,7 +353,9 @@ def _unit_path(model: nn.Module, name: str) -> str:
 
 
 def _after_forward(state: DMuonState, unit: Unit, output) -> None:
-    if not state.reshard_after_forward:
+    # Inside a backward pass the forward is being recomputed (activation checkpointing): the
+    # unit's backward comes next and needs the parameters; its gradient hooks release them.
+    if not state.reshard_after_forward or torch._C._current_graph_task_id() != -1:
         return
     state.release(unit)
     if torch.is_grad_enabled():

@@ -56,12 +56,18 @@ class Muon(torch.optim.Optimizer):
     of dedicated parameters are freed: the next forward broadcasts the new values.
     ``state_dict()`` is not per-rank meaningful; use dmuon.get_optimizer_state_dict.
 
+    The defaults, and the order of the positional arguments, are the public dmuon
+    project's: its update scale is s(m, n) = 0.2 sqrt(max(m, n)) ("match_rms_adamw",
+    an update with AdamW's RMS, so that lr 0.02 sits beside adamw_lr 1e-3).
+    ``adjust_lr_fn="original"`` gives Keller Jordan's sqrt(max(1, m / n)), the default
+    of dmuon_edu.muon.Muon and torch.optim.Muon: pass it to compare with those.
+
     Args:
         model: the model, after ``dedicate_params`` and ``fully_shard``.
-        lr, momentum, nesterov, weight_decay, adjust_lr_fn, ns_steps, ns_dtype: the Muon
+        lr, momentum, weight_decay, ns_steps, nesterov, adjust_lr_fn, ns_dtype: the Muon
             hyperparameters of the dedicated matrices, as in dmuon_edu.muon.Muon.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: torch.optim.AdamW's lr,
-            betas, eps and weight_decay for every other trainable parameter.
+        adamw_lr, adamw_betas, adamw_weight_decay, adamw_eps: torch.optim.AdamW's lr,
+            betas, weight_decay and eps for every other trainable parameter.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -76,15 +82,16 @@ class Muon(torch.optim.Optimizer):
         model: nn.Module,
         lr: float = 0.02,
         momentum: float = 0.95,
-        nesterov: bool = True,
         weight_decay: float = 0.0,
-        adjust_lr_fn: str = "original",
         ns_steps: int = 5,
-        ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        adamw_eps: float = 1e-8,
+        *,
+        nesterov: bool = True,
+        adjust_lr_fn: str = "match_rms_adamw",
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")

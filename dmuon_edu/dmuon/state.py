@@ -1,21 +1,26 @@
-"""State dicts in torch.distributed.checkpoint's convention, and clip_grad_norm_.
+"""State dicts, and clip_grad_norm_.
 
-Keys are parameter names (FQNs), as in torch.distributed.checkpoint.state_dict:
+Two ways to checkpoint, as in the public dmuon project:
 
-- model: ``{fqn: tensor}``. FSDP2 parameters are DTensor shards (full tensors with
-  ``StateDictOptions(full_state_dict=True)``); dedicated parameters are always full
-  plain tensors on every rank (their owner broadcasts them), i.e. replicated, which
-  torch.distributed.checkpoint saves once.
-- optimizer: ``{"state": {fqn: {...}}, "param_groups": [muon group, adamw group]}``,
-  each group with its hyperparameters and ``"params": [fqn, ...]``. A dedicated
-  matrix's ``momentum_buffer`` is a full tensor keyed by its name, whoever owns it, so
-  a checkpoint does not depend on the world size or the plan: after a resume on a
-  different number of ranks each new owner picks up its matrices' momentum. AdamW's
-  ``exp_avg``/``exp_avg_sq`` are DTensor shards (resharded by DCP), ``step`` a scalar.
+- **Full state dicts** (the default): ``get_model_state_dict(model)`` returns full
+  tensors, on the CPU, on rank 0 only (an empty dict elsewhere); every rank still takes
+  part in the collectives. The documented flow: ``torch.save`` on rank 0, ``torch.load``
+  on every rank, ``set_model_state_dict``. ``cpu_offload=`` and ``rank0_only=`` choose
+  otherwise.
+- **torch.distributed.checkpoint**: pass ``StateDictOptions`` explicitly. FSDP2
+  parameters are then DTensor shards (full tensors with ``full_state_dict=True``), and
+  DCP reshards them across world sizes.
+
+Either way keys are parameter names (FQNs) and dedicated matrices are full plain tensors
+(their owner broadcasts them), i.e. replicated, which torch.distributed.checkpoint saves
+once. The optimizer's: ``{"state": {fqn: {...}}, "param_groups": [muon group, adamw
+group]}``, each group with its hyperparameters and ``"params": [fqn, ...]``. A dedicated
+matrix's ``momentum_buffer`` is keyed by its name, whoever owns it, so a checkpoint does
+not depend on the world size or the plan: after a resume on another number of ranks each
+new owner picks up its matrices' momentum. AdamW's ``exp_avg``/``exp_avg_sq`` follow the
+model's parameters (shards or full), ``step`` is a scalar.
 
 Getting a state dict is a collective: every rank must call it, in the same order.
-Holding the full dedicated tensors costs every rank P_M (and P_M of momentum) for as
-long as the state dict lives.
 """
 
 from __future__ import annotations
@@ -41,8 +46,23 @@ __all__ = [
 ]
 
 
-def _options(options: StateDictOptions | None) -> StateDictOptions:
-    options = options or StateDictOptions()
+def _options(options: StateDictOptions | None, cpu_offload: bool | None = None,
+             rank0_only: bool | None = None) -> tuple[StateDictOptions, bool]:
+    """The StateDictOptions to follow, and whether only rank 0 keeps the result."""
+    if options is not None and (cpu_offload is not None or rank0_only is not None):
+        raise TypeError(
+            "pass either options=StateDictOptions(...) (the torch.distributed.checkpoint flow) or "
+            "cpu_offload=/rank0_only= (a full state dict), not both"
+        )
+    if options is None:  # the public project's defaults: full tensors, on the CPU, on rank 0
+        cpu_offload = True if cpu_offload is None else cpu_offload
+        rank0_only = True if rank0_only is None else rank0_only
+        for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload), rank0_only
+    if not isinstance(options, StateDictOptions):
+        raise TypeError(f"options must be a torch.distributed.checkpoint StateDictOptions, got {type(options).__name__}")
     unsupported = [
         name
         for name, default in (("broadcast_from_rank0", False), ("flatten_optimizer_state_dict", False),
@@ -54,7 +74,11 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
             f"dmuon's state dicts do not support StateDictOptions({', '.join(unsupported)}); "
             "use full_state_dict, cpu_offload and strict (every rank passes the whole state dict)"
         )
-    return options
+    return options, False
+
+
+def _kept(state: DMuonState, rank0_only: bool) -> bool:
+    return not rank0_only or state.rank == 0
 
 
 def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
@@ -86,23 +110,30 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
             target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
-def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = None, *,
+                         cpu_offload: bool | None = None, rank0_only: bool | None = None) -> dict[str, Any]:
     """The model's state dict, keyed by parameter and buffer names; a collective.
 
     Args:
         model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
-        options: ``StateDictOptions``; ``full_state_dict`` gathers FSDP2 shards into full
-            tensors, ``cpu_offload`` moves every tensor to the CPU.
+        options: ``StateDictOptions`` for the torch.distributed.checkpoint flow: FSDP2
+            parameters as DTensor shards, or full tensors with ``full_state_dict=True``;
+            ``cpu_offload`` moves every tensor to the CPU. None: a full state dict.
+        cpu_offload: for a full state dict (``options`` None), move it to the CPU
+            (default True).
+        rank0_only: for a full state dict, keep it on rank 0 only (default True); the
+            other ranks get an empty dict.
 
     Returns:
-        ``{name: tensor}``: FSDP2 parameters as DTensor shards (or full tensors), dedicated
-        parameters as full plain tensors on every rank.
+        ``{name: tensor}``, dedicated parameters always as full plain tensors.
 
     Raises:
         ValueError: the model has no dedicated parameters, or ``options`` asks for
             something unsupported.
+        TypeError: both ``options`` and ``cpu_offload``/``rank0_only`` were given.
     """
-    options, state = _options(options), state_of(model)
+    state = state_of(model)
+    options, rank0_only = _options(options, cpu_offload, rank0_only)
     result, fetched = {}, {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
         if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
@@ -110,7 +141,7 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
                 fetched[id(value)] = _full(state, value, value._dmuon_master if state.owns(value) else None)
             value = fetched[id(value)]
         result[name] = _out(value.detach(), options)
-    return result
+    return result if _kept(state, rank0_only) else {}
 
 
 def _is_dedicated(state: DMuonState, tensor: torch.Tensor) -> bool:
@@ -136,7 +167,8 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
         ValueError: the model has no dedicated parameters, or ``options`` asks for
             something unsupported.
     """
-    options, state = _options(options), state_of(model)
+    options, _ = _options(options)
+    state = state_of(model)
     targets = model.state_dict(keep_vars=True)  # the parameters themselves: no read of a placeholder
     missing = [k for k in targets if k not in model_state_dict]
     unexpected = [k for k in model_state_dict if k not in targets]
@@ -159,23 +191,27 @@ def _names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {p: name for name, p in model.named_parameters()}
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDictOptions | None = None) -> dict:
+def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDictOptions | None = None, *,
+                             cpu_offload: bool | None = None, rank0_only: bool | None = None) -> dict:
     """The optimizer's state dict, keyed by parameter names; a collective.
 
     Args:
         model: the model the optimizer was built for.
         optimizer: its dmuon.Muon.
-        options: ``StateDictOptions``, as in :func:`get_model_state_dict`.
+        options, cpu_offload, rank0_only: as in :func:`get_model_state_dict`.
 
     Returns:
         ``{"state": {name: {...}}, "param_groups": [muon group, adamw group]}``: each
-        dedicated matrix's ``momentum_buffer`` as a full tensor on every rank, AdamW's
-        moments as DTensor shards, each group's hyperparameters with ``"params"`` as names.
+        dedicated matrix's ``momentum_buffer`` as a full tensor, AdamW's moments like the
+        model's parameters (shards, or full tensors), each group's hyperparameters with
+        ``"params"`` as names. An empty dict on ranks other than 0 with ``rank0_only``.
 
     Raises:
-        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
+        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``, or both
+            ``options`` and ``cpu_offload``/``rank0_only`` were given.
     """
-    options, state = _options(options), state_of(model)
+    state = state_of(model)
+    options, rank0_only = _options(options, cpu_offload, rank0_only)
     _check_optimizer(optimizer, state)
     names = _names(model)
     result: dict[str, dict] = {}
@@ -188,7 +224,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
         {**{k: group[k] for k in group if k != "params"}, "params": [names[p] for p in group["params"]]}
         for group in optimizer.param_groups
     ]
-    return {"state": result, "param_groups": groups}
+    return {"state": result, "param_groups": groups} if _kept(state, rank0_only) else {}
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict: dict,
@@ -202,7 +238,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
         TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
         RuntimeError: with ``strict`` (the default), a parameter's state is missing.
     """
-    options, state = _options(options), state_of(model)
+    options, _ = _options(options)
+    state = state_of(model)
     _check_optimizer(optimizer, state)
     names = _names(model)
     saved = optim_state_dict["state"]
@@ -226,21 +263,27 @@ def _check_optimizer(optimizer, state: DMuonState) -> None:
         raise TypeError("pass the dmuon.Muon optimizer that was built for this model")
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    r"""Scale all gradients so that their global 2-norm is at most ``max_norm``; a collective.
+def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float) -> torch.Tensor:
+    r"""Scale gradients so that their global 2-norm is at most ``max_norm``; a collective.
 
     .. math::
 
         \lVert g \rVert = \Bigl(\sum_{\text{ranks}} \sum_{g \text{ held}} \lVert g \rVert_2^2\Bigr)^{1/2},
         \qquad g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{\lVert g \rVert + 10^{-6}}\Bigr)
 
-    over the owners' reduced dedicated gradients and every FSDP2 gradient shard (a
-    plain replicated gradient counts once): the same norm and scaling as
-    torch.nn.utils.clip_grad_norm_ in one process with the full gradients. Call it after
-    the last backward of the window, outside no_sync.
+    Two forms:
+
+    - ``clip_grad_norm_(model, max_norm)``: every gradient, the owners' reduced dedicated
+      gradients and every FSDP2 gradient shard (a plain replicated gradient counts once):
+      the same norm and scaling as torch.nn.utils.clip_grad_norm_ in one process with
+      the full gradients.
+    - ``clip_grad_norm_(optimizer, max_norm)``, the public dmuon project's form: the Muon
+      (dedicated) gradients only; clip the others with torch's own clip_grad_norm_.
+
+    Call it after the last backward of the window, outside no_sync.
 
     Args:
-        model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
+        model_or_optimizer: a model prepared with ``dedicate_params``, or its dmuon.Muon.
         max_norm: the largest allowed global norm, a number >= 0.
 
     Returns:
@@ -249,24 +292,28 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     Raises:
         ValueError: ``max_norm`` is negative or not a number, or the model has no
             dedicated parameters.
+        TypeError: neither a model nor a dmuon.Muon was given.
         RuntimeError: called inside no_sync, or with gradients not reduced yet.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}; a negative one would flip every gradient")
-    state = state_of(model)
+    if isinstance(model_or_optimizer, Muon):
+        state, model = model_or_optimizer._dmuon, None
+    elif isinstance(model_or_optimizer, nn.Module):
+        state, model = state_of(model_or_optimizer), model_or_optimizer
+    else:
+        raise TypeError(f"clip_grad_norm_ takes the model or its dmuon.Muon, got {type(model_or_optimizer).__name__}")
     if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
         raise RuntimeError(
             "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
             "which runs outside no_sync"
         )
-    dedicated = {id(p) for p in state.params.values()}
     grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
     replicated = []
-    for p in model.parameters():
-        if id(p) not in dedicated and p.grad is not None:
+    for p in model.parameters() if model is not None else ():
+        if not _is_dedicated(state, p) and p.grad is not None:
             (grads if isinstance(p.grad, DTensor) else replicated).append(p.grad)
-    device = next(iter(state.params.values())).device
-    squares = torch.zeros((), dtype=torch.float32, device=device)
+    squares = torch.zeros((), dtype=torch.float32, device=state.mesh_device)
     for g in grads:
         squares += (g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
     if state.rank == 0:  # a plain gradient is the same on every rank: count it once

@@ -5,8 +5,9 @@ full tensor, whoever owns it), each matrix's Muon momentum keyed by the matrix's
 name, and AdamW's state on the shards. Saving goes through
 torch.distributed.checkpoint, with dmuon's state dicts:
 
-    checkpoint.save({"model": dmuon.get_model_state_dict(model),
-                     "optim": dmuon.get_optimizer_state_dict(model, optimizer)}, path)
+    sharded = dmuon.StateDictOptions()  # torch.distributed.checkpoint's flow: FSDP2 shards stay shards
+    checkpoint.save({"model": dmuon.get_model_state_dict(model, sharded),
+                     "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}, path)
 
 Resuming builds the same dictionary from a freshly built model and optimizer (a
 fresh dmuon.Muon already holds every state entry, zeros), lets
@@ -76,8 +77,9 @@ with distributed.session() as ranks:
     model, optimizer = build(problem, mesh, ranks.device, scramble=False)
     train_window(model, optimizer, problem, windows[0], ranks)
     differences = [max_parameter_difference(full_parameters(model), reference[0].parameters)]
-    checkpoint.save({"model": dmuon.get_model_state_dict(model),
-                     "optim": dmuon.get_optimizer_state_dict(model, optimizer)}, path)
+    sharded = dmuon.StateDictOptions()
+    checkpoint.save({"model": dmuon.get_model_state_dict(model, sharded),
+                     "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}, path)
     distributed.print0("saved after optimizer step 1; resuming in a new model with other weights")
 
     model, optimizer = build(problem, mesh, ranks.device, scramble=True)

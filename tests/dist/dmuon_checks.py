@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from dmuon_edu import distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
@@ -54,8 +55,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, tied=False):
+    def __init__(self, tied=False, checkpointed=False):
         super().__init__()
+        self.checkpointed = checkpointed  # non-reentrant activation checkpointing of every layer
         self.embed = nn.Linear(IN, D)  # 2-D but not selected: AdamW
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = nn.Linear(D, OUT)  # 3 rows over 4 ranks: uneven FSDP2 shards
@@ -65,7 +67,7 @@ class Net(nn.Module):
     def forward(self, x):
         x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
         return self.head(x)
 
 
@@ -87,14 +89,17 @@ def window(step, rank, world):
     return mine, (x, y), total
 
 
-def build(mesh, zero3, seed=0, tied=False, mp_policy=None):
+def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False):
     torch.manual_seed(seed)
-    model = Net(tied).to(mesh.device_type)
+    model = Net(tied, checkpointed).to(mesh.device_type)
     dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
+    if compiled:  # per block; aot_eager: no C++ to compile on 2 cores
+        for layer in model.layers:
+            layer.compile(backend="aot_eager")
     opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                      adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
     return model, opt
@@ -127,11 +132,12 @@ def full_params(model):
     return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
 
 
-def check_equivalence(mesh, zero3, use_no_sync, tied=False):
+def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False):
     """Train dmuon and the single-process reference side by side; compare after every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    label = f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}{'_tied' * tied}"
-    model, opt = build(mesh, zero3, tied=tied)
+    label = (f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}"
+             f"{'_tied' * tied}{'_checkpointed' * checkpointed}")
+    model, opt = build(mesh, zero3, tied=tied, checkpointed=checkpointed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     torch.manual_seed(0)
     ref = Net(tied)
@@ -205,6 +211,24 @@ def check_placeholders(mesh):
            repr_names_owner=f"owned by rank {owner}" in repr(p))
 
 
+def check_compiled(mesh):
+    """Per-block torch.compile (aot_eager) against eager dmuon: the same steps, and no recompile after warm-up."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = {}
+    for compiled in (False, True):
+        model, opt = build(mesh, zero3=True, compiled=compiled)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        graphs = []
+        for step in range(STEPS + 1):
+            mine, _, total = window(step, rank, world)
+            train_window(model, opt, sched, mine, total, use_no_sync=True)
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        runs[compiled] = (full_params(model), graphs)
+    (eager, _), (compiled, graphs) = runs[False], runs[True]
+    report("compiled", max_abs_diff=max((eager[n] - compiled[n]).abs().max().item() for n in eager),
+           graphs_after_each_step=graphs)
+
+
 def check_mixed_precision(mesh, zero3):
     """FSDP2's bf16 policy with dedicated matrices, against one process computing in the same precision.
 
@@ -258,6 +282,81 @@ def check_mixed_precision(mesh, zero3):
            master_dtypes=sorted({str(p.dtype) for p in owned}),
            momentum_dtypes=sorted({str(opt._muon.state[p]["momentum_buffer"].dtype) for p in owned}),
            broadcast_bytes=broadcast_bytes, dedicated_bytes_fp32=dedicated_bytes(ref), zero3=zero3, k=K)
+
+
+PUBLIC_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
+                       adjust_lr_fn="match_rms_adamw")
+PUBLIC_ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8)
+
+
+def check_public_api(mesh, directory):
+    """The public project's defaults, its checkpoint flow, its clip_grad_norm_(optimizer, ...) form."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    plain = Net().to(mesh.device_type)
+    dmuon.dedicate_params(plain, mesh, predicate)
+    for layer in plain.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(plain, mesh=mesh)
+    defaults = dmuon.Muon(plain)
+    muon_group = {k: defaults.param_groups[0][k] for k in PUBLIC_DEFAULTS}
+    adamw_group = {k: defaults.param_groups[1][k] for k in PUBLIC_ADAMW_DEFAULTS}
+
+    # Train two steps, then save the documented way: full state dicts, torch.save on rank 0.
+    model, opt = build(mesh, zero3=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(2):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+    model_sd, optim_sd = dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, opt)
+    on_cpu = all(t.device.type == "cpu" and not isinstance(t, DTensor) for t in model_sd.values())
+    kept = [len(model_sd) > 0, len(optim_sd) > 0]
+    path = f"{directory}/public-flow.pt"
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, path)
+    distributed.barrier()
+    loaded = torch.load(path, weights_only=False)
+    fresh, fresh_opt = build(mesh, zero3=True, seed=123)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)  # before the load: it sets lr
+    fresh_sched.load_state_dict(sched.state_dict())
+    dmuon.set_model_state_dict(fresh, loaded["model"])
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
+    a, b = full_params(model), full_params(fresh)
+    restored = max((a[n] - b[n]).abs().max().item() for n in a)
+    mine, _, total = window(2, rank, world)
+    train_window(model, opt, sched, mine, total, use_no_sync=True)
+    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
+    a, b = full_params(model), full_params(fresh)
+    continued = max((a[n] - b[n]).abs().max().item() for n in a)
+
+    # A state dict of gradient-tracking tensors, as named_parameters() gives them.
+    torch.manual_seed(7)
+    source = Net().to(mesh.device_type)
+    dmuon.set_model_state_dict(fresh, {k: v.clone() for k, v in source.state_dict(keep_vars=True).items()})
+    b = full_params(fresh)
+    from_tracking = max((b[n] - q.detach().cpu()).abs().max().item() for n, q in source.named_parameters())
+
+    # clip_grad_norm_(optimizer, ...): the Muon gradients only, against the reference's full-batch gradients.
+    mine, (x, y), total = window(0, rank, world)
+    for xb, yb in mine:
+        (F.mse_loss(model(xb), yb, reduction="sum") * world / (total * OUT)).backward()
+    muon_norm = dmuon.clip_grad_norm_(opt, 1e9).item()
+    opt.zero_grad()
+    ref = copy.deepcopy(_reference_at(b=full_params(model)))
+    F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
+    ref_muon_norm = torch.stack([p.grad.norm() for n, p in ref.named_parameters() if predicate(n, p)]).norm().item()
+    report("public_api", muon_group=muon_group, adamw_group=adamw_group,
+           public_defaults=PUBLIC_DEFAULTS, public_adamw_defaults={**PUBLIC_ADAMW_DEFAULTS, "betas": [0.9, 0.999]},
+           full_on_cpu=on_cpu, kept_per_rank=per_rank(kept), restored_max_diff=restored,
+           continued_max_diff=continued, from_tracking_max_diff=from_tracking,
+           muon_norm_rel_diff=abs(muon_norm - ref_muon_norm) / ref_muon_norm)
+
+
+def _reference_at(b):
+    """A single-process Net holding the parameters ``b`` (full tensors by name)."""
+    net = Net()
+    net.load_state_dict({k: v for k, v in b.items()}, strict=False)
+    return net
 
 
 def check_misuse(mesh):
@@ -382,13 +481,16 @@ def check_state_dict(mesh, directory):
     for step in range(2):
         mine, _, total = window(step, rank, world)
         train_window(model, opt, sched, mine, total, use_no_sync=True)
-    dcp.save({"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)},
+    sharded = dmuon.StateDictOptions()
+    dcp.save({"model": dmuon.get_model_state_dict(model, sharded),
+              "optim": dmuon.get_optimizer_state_dict(model, opt, sharded)},
              checkpoint_id=directory)
 
     fresh, fresh_opt = build(mesh, zero3=True, seed=123)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
     fresh_sched.load_state_dict(sched.state_dict())
-    loaded = {"model": dmuon.get_model_state_dict(fresh), "optim": dmuon.get_optimizer_state_dict(fresh, fresh_opt)}
+    loaded = {"model": dmuon.get_model_state_dict(fresh, sharded),
+              "optim": dmuon.get_optimizer_state_dict(fresh, fresh_opt, sharded)}
     dcp.load(loaded, checkpoint_id=directory)
     dmuon.set_model_state_dict(fresh, loaded["model"])
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
@@ -414,8 +516,12 @@ def main():
             for use_no_sync in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync)
             check_equivalence(mesh, zero3, use_no_sync=True, tied=True)
+            check_equivalence(mesh, zero3, use_no_sync=True, checkpointed=True)
             check_mixed_precision(mesh, zero3)
+        if ranks.world_size == 2:  # compiling costs seconds: one world size is enough
+            check_compiled(mesh)
         check_state_dict(mesh, directory)
+        check_public_api(mesh, directory)
         distributed.print0("ALL CHECKS RAN")
 
 

@@ -109,7 +109,8 @@ def full_state(model, opt, sched):
 
 
 def sharded_state(model, opt, sched):
-    return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt),
+    sharded = dmuon.StateDictOptions()
+    return {"model": dmuon.get_model_state_dict(model, sharded), "optim": dmuon.get_optimizer_state_dict(model, opt, sharded),
             "scheduler": sched.state_dict()}
 
 
