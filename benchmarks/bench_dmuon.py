@@ -98,7 +98,7 @@ def worker():
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = dmuon.Muon(model)
+        opt = dmuon.Muon(model, adjust_lr_fn="original")  # the same update as the replicated Muon below
         model(x).square().mean().backward()  # gradients in place: _reduced_grad and FSDP2 shards
         state = model._dmuon
         grads = {p: p._reduced_grad.clone() if p._reduced_grad is not None else torch.randn_like(p)

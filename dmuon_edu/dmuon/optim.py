@@ -117,7 +117,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__([{"params": dedicated, **muon_hyper}, {"params": others, **adamw_hyper}], defaults={})
 
         self.skipped_steps = 0  # steps skipped for non-finite gradients
-        self._nonfinite_flag = torch.zeros((), device=next(iter(self._dmuon.params.values())).device)
+        self._nonfinite_flag = torch.zeros((), device=self._dmuon.mesh_device)  # reused at every step
         for p in self._owned:
             self._muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
         for p in others:
@@ -194,8 +194,6 @@ class Muon(torch.optim.Optimizer):
         bad = self._nonfinite_flag
         bad.copy_((~torch.cat(extremes).isfinite()).any() if extremes else False)
         if self._dmuon.world_size > 1:
-            # Into a tensor the optimizer keeps: this may be a script's last collective, and a
-            # gloo worker must not be left to free a tensor Python dropped (see dmuon_edu.distributed).
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
         return bad.item() == 0
 
