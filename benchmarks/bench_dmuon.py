@@ -101,7 +101,7 @@ def worker():
         opt = dmuon.Muon(model, adjust_lr_fn="original")  # the same update as the replicated Muon below
         model(x).square().mean().backward()  # gradients in place: _reduced_grad and FSDP2 shards
         state = model._dmuon
-        grads = {p: p._reduced_grad.clone() if p._reduced_grad is not None else torch.randn_like(p)
+        grads = {p: p._reduced_grad.clone() if p._reduced_grad is not None else torch.randn(p.shape, dtype=p.dtype)
                  for p in state.params.values()}
 
         torch.manual_seed(0)
@@ -116,13 +116,13 @@ def worker():
             opt.step()
 
         def dmuon_with_comm():
+            for unit in state.units:  # what the forward does (Z2: once per step)
+                state.make_resident(unit)
             for p, g in grads.items():  # what the backward hooks do: reduce each gradient to its owner
                 p._reduced_grad = None
                 p.grad = g.clone()
                 state.on_grad(p)
             opt.step()
-            for unit in state.units:  # what the next forward does (Z2: once per step)
-                state.make_resident(unit)
 
         def replicated_step():
             rep_muon.step()

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
 
-from dmuon_edu import capstone  # noqa: E402
+from dmuon_edu.course import capstone  # noqa: E402
 from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
 from dmuon_edu.course.gpt import GPT, GPTConfig  # noqa: E402
 from dmuon_edu.launch import RankFailedError, torchrun  # noqa: E402
