@@ -165,15 +165,3 @@ def test_a_failure_after_the_session_still_fails_the_job():
     with pytest.raises(RankFailedError, match="ValueError: after the session"):
         torchrun(DIST / "raise_after_session.py", nproc=2, echo=False, timeout=60)
 
-
-def test_a_users_atexit_handler_runs_on_every_rank_after_a_session(tmp_path):
-    # session() installs no exception hook and no exit of its own, so what a script registers with
-    # atexit (a logger's flush, an async checkpoint's wait) runs on every rank, here with FSDP2 and
-    # dmuon still holding the process group at the interpreter's exit. The one status accepted is 0
-    # on every rank: torchrun returns 0 only then, and anything else raises RankFailedError.
-    # Two launches of 4 ranks: 8 rank exits (the old session() ran the handler on none).
-    for launch in range(2):
-        out = tmp_path / f"launch{launch}"
-        out.mkdir()
-        torchrun(DIST / "atexit_after_session.py", nproc=4, args=[out], echo=False, timeout=120)
-        assert sorted(path.name for path in out.iterdir()) == [f"rank{rank}.atexit" for rank in range(4)]

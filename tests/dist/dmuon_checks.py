@@ -9,12 +9,14 @@ locally: a plain copy of the model on the whole global batch, dmuon_edu.muon.Muo
 (float32 Newton-Schulz) on the dedicated matrices and torch.optim.AdamW on the rest.
 """
 
+import atexit
 import contextlib
 import copy
 import datetime
 import io
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -504,24 +506,30 @@ def check_state_dict(mesh, directory):
 
 
 def main():
-    directory = sys.argv[1]
+    directory, atexit_marks = sys.argv[1], sys.argv[2]
     with distributed.session() as ranks:
+        # session() leaves the interpreter's exit to the script: a user's atexit handler (a logger's
+        # flush, an async checkpoint's wait) must run on every rank, FSDP2 and dmuon still alive.
+        atexit.register(lambda: (Path(atexit_marks) / f"rank{ranks.rank}").write_text("ran"))
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         DEVICE[0] = ranks.device
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference runs in true float32 on the CPU
+        real_use = ranks.world_size == 2  # what real training does, tested once: on 2 ranks
         check_structure(mesh)
-        check_placeholders(mesh)
-        check_misuse(mesh)
+        if real_use:
+            check_placeholders(mesh)
+            check_misuse(mesh)
         for zero3 in (True, False):
             for use_no_sync in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync)
-            check_equivalence(mesh, zero3, use_no_sync=True, tied=True)
-            check_equivalence(mesh, zero3, use_no_sync=True, checkpointed=True)
-            check_mixed_precision(mesh, zero3)
-        if ranks.world_size == 2:  # compiling costs seconds: one world size is enough
-            check_compiled(mesh)
+            if real_use:
+                check_equivalence(mesh, zero3, use_no_sync=True, tied=True)
+                check_equivalence(mesh, zero3, use_no_sync=True, checkpointed=True)
+                check_mixed_precision(mesh, zero3)
         check_state_dict(mesh, directory)
-        check_public_api(mesh, directory)
+        if real_use:
+            check_compiled(mesh)
+            check_public_api(mesh, directory)
         distributed.print0("ALL CHECKS RAN")
 
 
