@@ -1,4 +1,4 @@
-"""Module 7's capstone: the data and its floor, seed 000's loop, and the dmuon runs on 2 ranks."""
+"""Module 7's capstone: the data and its floor, the accumulation guide's loop, and the dmuon runs on 2 ranks."""
 
 import json
 import math

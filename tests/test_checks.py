@@ -49,7 +49,7 @@ def learner_zero_grad_in_loop(model, optimizer, microbatches, loss_fn):
 
 
 def learner_seed_reference(model, optimizer, microbatches, loss_fn):
-    """Seed 003's reference: right for equal sizes, 1/N for unequal ones."""
+    """The accumulation exercise's reference solution: right for equal sizes, 1/N for unequal ones."""
     optimizer.zero_grad()
     n = len(microbatches)
     total_loss = 0.0

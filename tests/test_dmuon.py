@@ -1,7 +1,7 @@
 """dmuon: distributed Muon with dedicated owners, no_sync and Z2/Z3.
 
 Three torchrun launches in all (each costs seconds before any work): the checks script
-on 2 and on 4 ranks, and seed 000's loop on 2 ranks. Each launch runs many checks and
+on 2 and on 4 ranks, and the accumulation guide's loop on 2 ranks. Each launch runs many checks and
 rank 0 prints one ``CHECK {json}`` line per check; the tests below assert on them.
 Everything else runs in this process, with a one-rank gloo group where it needs one.
 

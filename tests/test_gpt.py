@@ -1,4 +1,4 @@
-"""The capstone's GPT: shapes, causal attention, and names that seed 000's predicate reads right."""
+"""The capstone's GPT: shapes, causal attention, and names that the accumulation guide's predicate reads right."""
 
 import pytest
 import torch

@@ -3,7 +3,7 @@
 Every run sees the same global batches: ``steps`` optimizer steps of ``accum_steps``
 micro-batches of ``global_microbatch`` sequences. A single process takes each
 micro-batch whole; on W ranks each rank takes its 1/W share of it, so that one
-optimizer step covers the same tokens either way. The loop is seed 000's: every
+optimizer step covers the same tokens either way. The loop is the accumulation guide's: every
 micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (a no-op
 context on one process), each loss divided by ``accum_steps``, then ``step`` and
 ``zero_grad``.
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("AdamW", "Muon")  # in one process; dmuon runs under torchrun
-# dmuon's modes: Z3 (reshard_after_forward=True) or Z2, with seed 000's no_sync or without it.
+# dmuon's modes: Z3 (reshard_after_forward=True) or Z2, with the accumulation guide's no_sync or without it.
 MODES = ("Z2", "Z3", "Z2 without no_sync", "Z3 without no_sync")
 
 
@@ -150,7 +150,7 @@ def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
 
 def train(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], microbatches, accum_steps: int, *,
           no_sync: Callable | None = None, progress: bool = False) -> tuple[list[float], list[float], int]:
-    """Seed 000's loop over ``microbatches``; returns (loss per step, seconds per step, peak bytes of the last step).
+    """The accumulation guide's loop over ``microbatches``; returns (loss per step, seconds per step, peak bytes of the last step).
 
     ``no_sync(model)`` wraps every micro-batch but the last of a window (dmuon.no_sync;
     None on one process, where there is nothing to hold back). A step's loss is the

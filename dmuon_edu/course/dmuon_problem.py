@@ -3,8 +3,8 @@
 Module 5's problem (:class:`dmuon_edu.course.data_parallel.Problem`: the same seeded global
 data on every rank, each rank taking its equal share of each micro-batch) with a model
 that has Muon matrices: blocks under ``model.layers`` whose hidden matrices are named
-``*_proj``, as in seed 000. The model returns an object with ``.loss``, so every loop
-of the module reads like the seed's (``model(batch).loss / accum_steps``).
+``*_proj``, as in dmuon's accumulation guide. The model returns an object with ``.loss``, so every loop
+of the module reads like the guide's (``model(batch).loss / accum_steps``).
 
 The reference is one process that sees each whole window as one batch:
 dmuon_edu.muon.Muon (float32 Newton-Schulz) on the dedicated matrices, AdamW on the
@@ -55,7 +55,7 @@ MUON_HYPERPARAMETERS = dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, n
 ADAMW_LR = 1e-2  # module 5's AdamW learning rate, for everything that is not a Muon matrix
 
 
-# Seed 000's predicate, as for the capstone's GPT: the hidden matrices get an owner rank and Muon.
+# The accumulation guide's predicate, as for the capstone's GPT: the hidden matrices get an owner rank and Muon.
 is_dedicated = is_hidden_matrix
 
 
@@ -123,10 +123,10 @@ class Problem(data_parallel.Problem):
 
 
 def seed_batches(n_batches: int, rank: int, batch_size: int = 32):
-    """A dataloader for seed 000's loop: this rank's own batches, from a fixed teacher the model can learn.
+    """A dataloader for the accumulation guide's loop: this rank's own batches, from a fixed teacher the model can learn.
 
     (Module 5's data, sin(x @ teacher), is a fine test of equivalence but too hard a
-    target to see a loss fall within a few steps at seed 000's learning rates.)
+    target to see a loss fall within a few steps at the accumulation guide's learning rates.)
     """
     teacher = torch.Generator().manual_seed(7)
     w1, w2 = torch.randn(16, 16, generator=teacher), torch.randn(16, 4, generator=teacher) / 4

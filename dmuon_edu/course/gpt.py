@@ -3,7 +3,7 @@
     model = GPT(GPTConfig(vocab_size=16, block_size=32))
     out = model(inputs, targets)        # out.logits (B, T, V), out.loss (mean over tokens)
 
-The names follow seed 000's conventions, so that its predicate selects exactly the
+The names follow the accumulation guide's conventions, so that its predicate selects exactly the
 hidden matrices: every feature-to-feature matrix is a ``*_proj`` (``attn.qkv_proj``,
 ``attn.out_proj``, ``mlp.up_proj``, ``mlp.down_proj``), the blocks sit in
 ``model.layers``, and the embeddings and ``lm_head`` (tokens to and from features)
@@ -27,7 +27,7 @@ __all__ = ["GPTConfig", "GPT", "LMOutput", "is_hidden_matrix"]
 
 
 def is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
-    """Seed 000's predicate: the GPT's feature-to-feature matrices, the ones Muon (and dmuon) step."""
+    """The accumulation guide's predicate: the GPT's feature-to-feature matrices, the ones Muon (and dmuon) step."""
     return "proj" in name and p.ndim == 2
 
 

@@ -27,6 +27,7 @@ accumulated under no_sync in the master's dtype.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -299,7 +300,7 @@ def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], g
         ) from error
     for rank, theirs in enumerate(everyone):
         if theirs != mine:
-            first = next((a, b) for a, b in zip(mine + [None] * len(theirs), theirs + [None] * len(mine)) if a != b)
+            first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
                 f"dedicate_params: rank {dist.get_rank(group)} and rank {rank} selected different matrices; the first "
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype). The predicate must "

@@ -34,7 +34,7 @@ from dmuon_edu.course.dmuon_problem import (
 
 
 def prepare(model, mesh):
-    """Set the model up for dmuon, in seed 000's order, and return its optimizer.
+    """Set the model up for dmuon, in the accumulation guide's order, and return its optimizer.
 
     Dedicate the matrices that is_dedicated(name, p) selects (Z3 is the default), then
     fully_shard each of model.layers and the model itself on the mesh, then build

@@ -1,6 +1,6 @@
-"""Module 6, exercise 4: seed 000's training loop, under Z2 and Z3, with and without no_sync.
+"""Module 6, exercise 4: the accumulation guide's training loop, under Z2 and Z3, with and without no_sync.
 
-The loop of seed 000 (dmuon's "Gradient Accumulation" page): every micro-batch but
+The loop of dmuon's gradient-accumulation guide (its "Gradient Accumulation" page): every micro-batch but
 the last of a window runs forward and backward inside dmuon.no_sync(model); the last
 runs outside it, which reduces everything accumulated; then optimizer.step() and
 optimizer.zero_grad().
@@ -13,7 +13,7 @@ after every optimizer step, and counts what each sends:
 - Z2 (False): broadcast once, at the window's first forward, 1 * P_M per step;
 - reduce: 1 * P_M per step with no_sync, k * P_M without.
 
-Then seed 000's loop itself, with its optimizer settings (bf16 Newton-Schulz,
+Then the accumulation guide's loop itself, with its optimizer settings (bf16 Newton-Schulz,
 lr=0.02, adamw_lr=1e-3), for 15 optimizer steps on a stream of batches each rank
 draws for itself, as a real dataloader would: its loss must fall.
 
@@ -44,7 +44,7 @@ from dmuon_edu.course.dmuon_problem import (
 
 
 def train(model, optimizer, dataloader, accum_steps, no_sync=dmuon.no_sync):
-    """Seed 000's loop over the micro-batches of ``dataloader``; return the loss of each optimizer step.
+    """The accumulation guide's loop over the micro-batches of ``dataloader``; return the loss of each optimizer step.
 
     A step's loss is its last micro-batch's, times accum_steps (as the seed prints it).
     Call ``no_sync(model)`` where the seed calls ``dmuon.no_sync(model)``: the script
@@ -113,12 +113,12 @@ with distributed.session() as ranks:
                 rows[f"{op}, {config}"] = (counts.calls[op] // problem.n_windows, counts.bytes[op] // problem.n_windows)
             held_during_forward[config] = per_rank(probe.peak)
 
-    # Seed 000's loop as written: its optimizer settings, 15 optimizer steps of its own stream of batches.
+    # The accumulation guide's loop as written: its optimizer settings, 15 optimizer steps of its own stream of batches.
     model = problem.model().to(ranks.device)
     optimizer = prepare(model, mesh, zero3=True, lr=0.02, adamw_lr=1e-3)
     dataloader = ((x.to(ranks.device), y.to(ranks.device)) for x, y in seed_batches(15 * k, ranks.rank))
     seed_losses = train(model, optimizer, dataloader, k)
-    distributed.print0(f"seed 000's loop on {ranks.world_size} ranks, Z3, {k} micro-batches per optimizer step:")
+    distributed.print0(f"the accumulation guide's loop on {ranks.world_size} ranks, Z3, {k} micro-batches per optimizer step:")
     for step, loss in enumerate(seed_losses, start=1):
         # The seed prints .4f; bf16 Newton-Schulz rounds differently in those last digits on other CPUs.
         distributed.print0(f"  step {step}: loss={loss:.2f}")
@@ -134,5 +134,5 @@ with distributed.session() as ranks:
              "and call optimizer.step() then optimizer.zero_grad() after the last",
         measurements={"P_M": p_m, "k": k, "world size": ranks.world_size,
                       "dedicated bytes held during a forward, at most": held_during_forward,
-                      "seed 000 losses": seed_losses},
+                      "guide loop losses": seed_losses},
     )

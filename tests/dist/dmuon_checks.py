@@ -344,7 +344,7 @@ def check_public_api(mesh, directory):
         (F.mse_loss(model(xb), yb, reduction="sum") * world / (total * OUT)).backward()
     muon_norm = dmuon.clip_grad_norm_(opt, 1e9).item()
     opt.zero_grad()
-    ref = copy.deepcopy(_reference_at(b=full_params(model)))
+    ref = _reference_at(full_params(model))
     F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
     ref_muon_norm = torch.stack([p.grad.norm() for n, p in ref.named_parameters() if predicate(n, p)]).norm().item()
     report("public_api", muon_group=muon_group, adamw_group=adamw_group,
@@ -354,10 +354,10 @@ def check_public_api(mesh, directory):
            muon_norm_rel_diff=abs(muon_norm - ref_muon_norm) / ref_muon_norm)
 
 
-def _reference_at(b):
-    """A single-process Net holding the parameters ``b`` (full tensors by name)."""
+def _reference_at(params):
+    """A single-process Net holding ``params`` (full tensors by name)."""
     net = Net()
-    net.load_state_dict({k: v for k, v in b.items()}, strict=False)
+    net.load_state_dict(params, strict=False)
     return net
 
 
