@@ -9,6 +9,8 @@ Each row sets a measured number beside what it is judged against, both from this
 - Newton-Schulz batched over same-shape matrices (torch.baddbmm: GPUs, and small
   matrices on CPU) against one matrix at a time (large matrices on CPU) (bench_muon.ns_times);
 - dmuon's optimizer step on 2 ranks against replicated Muon (bench_dmuon.measure);
+- a dmuon training step with its collective-order check against the same step with the
+  check replaced by a no-op (order_check.measure);
 - communication per optimizer step, counted by count_comm in the capstone's dmuon runs,
   against the published formulas: 2(N-1)/N P_M (Z2) and 3(N-1)/N P_M (Z3) for one
   micro-batch per step, and one reduce per window with no_sync. count_comm counts every
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 
 import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
+import order_check  # noqa: E402
 
 from dmuon_edu.course import capstone  # noqa: E402
 from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
@@ -102,6 +105,15 @@ def dmuon_rows() -> list[str]:
         _, world, what, ours, theirs, ratio, _ = (cell.strip() for cell in line.split("|"))
         rows.append(row(f"dmuon optimizer {what}, {world} ranks (GPT-2-small shapes at d={bench_dmuon.D})",
                         f"dmuon {ours} ms", f"replicated Muon {theirs} ms", float(ratio)))
+    return rows
+
+
+def order_check_rows() -> list[str]:
+    rows = []
+    for line in order_check.measure():
+        _, mode, events, with_check, without, ratio, _ = (cell.strip() for cell in line.split("|"))
+        rows.append(row(f"dmuon training step with its collective-order check ({events} events), {mode}, 2 ranks",
+                        f"checked {with_check} ms", f"unchecked {without} ms", float(ratio)))
     return rows
 
 
@@ -212,7 +224,8 @@ def main(argv=None) -> None:
                  "(on a GPU machine install a CUDA build: make install CONSTRAINTS=)")
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
-    sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, communication_rows, memory_rows]
+    sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, order_check_rows, communication_rows,
+                                        memory_rows]
     if torch.cuda.is_available():
         sections.append(gpu_rows)
     rows = []

@@ -327,6 +327,48 @@ def test_a_rank_that_never_calls_dedicate_params_ends_the_others_at_a_bounded_ti
     assert message and "not every rank called dedicate_params" in message, message
 
 
+def _names_the_divergence(message):
+    return (message is not None and "the ranks diverged at their event #" in message and "mask its output" in message
+            and all(f"the forward of layers.{i}" in message for i in (1, 2)) and "rank 0" in message and "rank 1" in message)
+
+
+def test_a_rank_that_skips_a_layer_is_caught_before_its_collectives_on_every_rank(checks):
+    # Z3, first micro-batch: both ranks would pair layer 1's broadcast with layer 2's. The rank that
+    # gets there second raises at the layer's forward; the first reads its message when its
+    # broadcast times out.
+    messages = real_use(checks, "divergence")["z3"]
+    assert all(_names_the_divergence(m) for m in messages), messages
+
+
+def test_a_rank_that_skips_a_resident_layer_is_caught_by_the_second_rank_to_get_there(checks):
+    # Z2, second micro-batch: the matrices are resident, no dmuon collective would notice. The
+    # second rank raises at the layer's forward; the first times out in fully_shard's next
+    # all-gather (its message is FSDP2's); no rank goes on.
+    messages = real_use(checks, "divergence")["z2"]
+    assert all(m is not None for m in messages) and any(_names_the_divergence(m) for m in messages), messages
+
+
+def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, monkeypatch):
+    # Two ranks' checkers in one process, on one store key, as two ranks would be.
+    from dmuon_edu.dmuon import order
+    monkeypatch.setattr(order, "SLOTS", 3)
+    first, second = order.CollectiveOrder("test/order", 0), order.CollectiveOrder("test/order", 1)
+    for n in range(7):  # more collectives than slots: stale slots are taken over, never mistaken
+        for checker in (first, second):
+            with checker.collective(f"the broadcast of layers.{n}"):
+                pass
+    with first.collective("the broadcast of layers.7"):
+        pass
+    with pytest.raises(RuntimeError, match=r"event #7: rank 1 is about to run the broadcast of layers.8, "
+                                           r"but rank 0 ran the broadcast of layers.7"):
+        with second.collective("the broadcast of layers.8"):
+            pass
+    # The rank that went first waits in its collective #8 until the timeout, then reports the divergence.
+    with pytest.raises(RuntimeError, match=r"rank 1 is about to run .* \(this rank, 0, was waiting in its event #8"):
+        with first.collective("the broadcast of layers.8"):
+            raise RuntimeError("Timed out waiting 3000ms")
+
+
 def test_autocast_runs_through_dmuon(checks):
     c = real_use(checks, "misuse")
     assert c["autocast_step"] == [None] * len(c["autocast_step"]) and c["autocast_output_dtype"][0] == "torch.bfloat16", c

@@ -33,13 +33,22 @@ per optimizer step, the first k-1 inside no_sync):
   if any gradient on any rank holds NaN or Inf, every rank skips the step (optim.py).
   Non-owner copies are dropped: the next forward's broadcast publishes the new values.
 
+Same order on every rank. A collective pairs the n-th call of every rank, so every
+rank must run the same dedicated layers in the same order. Before each collective and
+each forward of a layer with dedicated matrices, each rank checks through the process
+group's store that all ranks are at the same event (order.py: one store round trip,
+about 35 us between two processes on one 2-core CPU). If a rank skipped a layer, the
+ranks raise, naming the layers and the ranks, instead of mixing two layers' data or
+hanging.
+
 Bytes are as count_comm counts them: the whole tensor's size on every rank taking
 part, sender or receiver. The peer's byte formulas, 2(N-1)/N * P_M (Z2) and
 3(N-1)/N * P_M (Z3), count what crosses the wire per rank.
 
-Modules: plan.py (owners), fsdp_exclusion.py, dedicate.py (dedicate_params, residency
-and gradient hooks, no_sync, ownership), optim.py (Muon), state.py (state dicts,
-clip_grad_norm_).
+Modules: plan.py (owners), fsdp_exclusion.py, placeholder.py (non-owners' guarded
+placeholders), order.py (the same collectives on every rank), dedicate.py
+(dedicate_params, residency and gradient hooks, no_sync, ownership), optim.py (Muon),
+state.py (state dicts, clip_grad_norm_).
 """
 
 from dmuon_edu.distributed import count_collectives as count_comm

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from . import fsdp_exclusion, placeholder
+from .order import CollectiveOrder
 from .plan import layer_of, plan_owners
 
 __all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "DMuonState", "state_of"]
@@ -62,6 +64,7 @@ class DMuonState:
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
     owners: dict[str, int]  # name -> owner's rank in the mesh
+    order: CollectiveOrder = field(repr=False)  # every collective below goes through order.collective
     units: list[Unit] = field(default_factory=list)
     units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
     holders: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))  # resident units using p
@@ -72,6 +75,7 @@ class DMuonState:
         self.rank = self.mesh.get_local_rank()
         self.world_size = self.mesh.size()
         self.mesh_device = next(iter(self.params.values())).device
+        self.name_of = {p: name for name, p in self.params.items()}
 
     @staticmethod
     def owner_of(p: nn.Parameter) -> int:
@@ -92,7 +96,9 @@ class DMuonState:
                 flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
             else:
                 flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
-            dist.broadcast(flat, group=self.group, group_src=owner)
+            with self.order.collective(f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
+                                       f"({flat.numel()} values of {dtype})"):
+                dist.broadcast(flat, group=self.group, group_src=owner)
             offset = 0
             for p in params:
                 values = flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape)
@@ -159,7 +165,9 @@ class DMuonState:
                 g, p._accumulated_grad = p._accumulated_grad.add_(g), None
             wire = g.to(reduce_dtype or g.dtype).contiguous()
             owner = self.owner_of(p)
-            dist.reduce(wire, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
+            with self.order.collective(f"the reduce of {self.name_of[p]}'s gradient to rank {owner} "
+                                       f"({wire.numel()} values of {wire.dtype})"):
+                dist.reduce(wire, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
             if owner == self.rank:
                 g = wire.to(p._dmuon_dtype)
                 p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
@@ -268,9 +276,9 @@ def dedicate_params(
         if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
             raise ValueError(f"{name} shares its storage with another tensor; dedicated parameters need their own")
 
-    _require_the_same_selection_on_every_rank(params, mesh.get_group())
+    key = _require_the_same_selection_on_every_rank(params, mesh.get_group())
     owners = plan_owners({name: tuple(p.shape) for name, p in params.items()}, mesh.size())
-    state = DMuonState(model, mesh, reshard_after_forward, params, owners)
+    state = DMuonState(model, mesh, reshard_after_forward, params, owners, CollectiveOrder(key, mesh.get_local_rank()))
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, owners[name])
@@ -287,18 +295,22 @@ def dedicate_params(
     return dict(owners)
 
 
-def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], group) -> None:
-    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair wrongly."""
+def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], group) -> str:
+    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair wrongly.
+
+    Returns a store key for this model's CollectiveOrder that every rank shares (rank 0's).
+    """
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in params.items()]
+    key = f"dmuon/order/{uuid.uuid4().hex}"
     everyone: list = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(everyone, mine, group=group)
+        dist.all_gather_object(everyone, (key, mine), group=group)
     except RuntimeError as error:
         raise RuntimeError(
             "dedicate_params: not every rank called dedicate_params within the collective timeout. Every rank "
             "must call it, with the same model and predicate"
         ) from error
-    for rank, theirs in enumerate(everyone):
+    for rank, (_, theirs) in enumerate(everyone):
         if theirs != mine:
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
@@ -306,6 +318,7 @@ def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], g
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype). The predicate must "
                 "select the same parameters on every rank: make it depend on names and shapes only"
             )
+    return everyone[0][0]
 
 
 def _build_units(model: nn.Module, state: DMuonState) -> None:
@@ -327,7 +340,7 @@ def _build_units(model: nn.Module, state: DMuonState) -> None:
             for p in ps:
                 state.units_of[p].append(unit)
         module = model.get_submodule(path)
-        module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: state.make_resident(unit)))
+        module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: _before_forward(state, unit)))
         module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
@@ -351,6 +364,11 @@ def _unit_path(model: nn.Module, name: str) -> str:
     if layer is None or type(layer).forward is nn.Module.forward:  # e.g. a ModuleDict: never called
         return name.rpartition(".")[0]
     return path
+
+
+def _before_forward(state: DMuonState, unit: Unit) -> None:
+    state.order.check(f"the forward of {unit.path or 'the model'}")
+    state.make_resident(unit)
 
 
 def _after_forward(state: DMuonState, unit: Unit, output) -> None:

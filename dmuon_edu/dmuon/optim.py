@@ -194,7 +194,8 @@ class Muon(torch.optim.Optimizer):
         bad = self._nonfinite_flag
         bad.copy_((~torch.cat(extremes).isfinite()).any() if extremes else False)
         if self._dmuon.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
+            with self._dmuon.order.collective("the optimizer step's all-reduce of its finite-gradients flag"):
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
         return bad.item() == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -86,7 +86,8 @@ def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> tor
     owner = state.owner_of(p)
     buffer = (value.detach().clone() if owner == state.rank
               else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
-    dist.broadcast(buffer, group=state.group, group_src=owner)
+    with state.order.collective(f"the state dict's broadcast of {state.name_of[p]} from rank {owner}"):
+        dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
 
 
@@ -319,7 +320,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float) -> to
     if state.rank == 0:  # a plain gradient is the same on every rank: count it once
         for g in replicated:
             squares += g.float().square().sum()
-    dist.all_reduce(squares, group=state.group)
+    with state.order.collective("clip_grad_norm_'s all-reduce of squared gradient norms"):
+        dist.all_reduce(squares, group=state.group)
     total = squares.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads + replicated:

@@ -60,6 +60,7 @@ class Net(nn.Module):
     def __init__(self, tied=False, checkpointed=False):
         super().__init__()
         self.checkpointed = checkpointed  # non-reentrant activation checkpointing of every layer
+        self.dropped = set()  # layers this rank skips, as LayerDrop would with a per-rank random draw
         self.embed = nn.Linear(IN, D)  # 2-D but not selected: AdamW
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = nn.Linear(D, OUT)  # 3 rows over 4 ranks: uneven FSDP2 shards
@@ -68,7 +69,9 @@ class Net(nn.Module):
 
     def forward(self, x):
         x = self.embed(x)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.dropped:
+                continue
             x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
         return self.head(x)
 
@@ -393,6 +396,28 @@ def check_misuse(mesh):
     report("misuse", **per_rank_outcomes(outcome))
 
 
+def check_divergence():
+    """A rank that skips a layer: in Z3 the forward's broadcasts diverge, in Z2 (resident) the
+    backward's reduces. Every rank raises, naming the layers and the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    for zero3, dropped_in in ((True, 0), (False, 1)):
+        # A group of its own with a short timeout: the rank that did not detect it waits that long.
+        short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+        model, opt = build(short, zero3)
+        mine, _, total = window(0, rank, world)
+
+        def train():
+            for j, (x, y) in enumerate(mine[:2]):
+                model.dropped = {1} if rank == 1 and j == dropped_in else set()
+                with dmuon.no_sync(model) if j == 0 else contextlib.nullcontext():
+                    F.mse_loss(model(x), y).backward()
+
+        outcome["z3" if zero3 else "z2"] = error_of(train)
+        distributed.barrier()
+    report("divergence", **per_rank_outcomes(outcome))
+
+
 def per_rank_outcomes(outcome):
     return {key: [o.get(key) for o in per_rank(outcome)] for key in sorted(set().union(*per_rank(outcome)))}
 
@@ -519,6 +544,7 @@ def main():
         if real_use:
             check_placeholders(mesh)
             check_misuse(mesh)
+            check_divergence()
         for zero3 in (True, False):
             for use_no_sync in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync)
