@@ -118,10 +118,12 @@ def worker():
         def dmuon_with_comm():
             for unit in state.units:  # what the forward does (Z2: once per step)
                 state.make_resident(unit)
+            state.end_of_backward_queued = True  # no autograd engine to queue the end of backward on
             for p, g in grads.items():  # what the backward hooks do: reduce each gradient to its owner
                 p._reduced_grad = None
                 p.grad = g.clone()
                 state.on_grad(p)
+            state.finish_backward()
             opt.step()
 
         def replicated_step():

@@ -9,6 +9,9 @@ Each row sets a measured number beside what it is judged against, both from this
 - Newton-Schulz batched over same-shape matrices (torch.baddbmm: GPUs, and small
   matrices on CPU) against one matrix at a time (large matrices on CPU) (bench_muon.ns_times);
 - dmuon's optimizer step on 2 ranks against replicated Muon (bench_dmuon.measure);
+- a full training step (4 micro-batches, then the optimizer step) of dmuon Z2, Z3 and Z3
+  without prefetch, and of DDP with replicated Muon, against FSDP2 + AdamW on 2 and 4
+  ranks (bench_step.measure);
 - a dmuon training step with its collective-order check against the same step with the
   check replaced by a no-op (order_check.measure);
 - communication per optimizer step, counted by count_comm in the capstone's dmuon runs,
@@ -45,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 
 import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
+import bench_step  # noqa: E402
 import order_check  # noqa: E402
 
 from dmuon_edu.course import capstone  # noqa: E402
@@ -105,6 +109,18 @@ def dmuon_rows() -> list[str]:
         _, world, what, ours, theirs, ratio, _ = (cell.strip() for cell in line.split("|"))
         rows.append(row(f"dmuon optimizer {what}, {world} ranks (GPT-2-small shapes at d={bench_dmuon.D})",
                         f"dmuon {ours} ms", f"replicated Muon {theirs} ms", float(ratio)))
+    return rows
+
+
+def training_step_rows() -> list[str]:
+    rows = []
+    for nproc in (2, 4):
+        for line in bench_step.measure(nproc):
+            _, world, setup, step, blocked, ratio, _ = (cell.strip() for cell in line.split("|"))
+            if setup != "FSDP2 + AdamW":
+                rows.append(row(f"training step, {setup}, {world} ranks (small GPT, 4 micro-batches)",
+                                f"{step} ms" + (f", blocked {blocked}" if blocked != "-" else ""),
+                                "FSDP2 + AdamW", float(ratio)))
     return rows
 
 
@@ -224,8 +240,8 @@ def main(argv=None) -> None:
                  "(on a GPU machine install a CUDA build: make install CONSTRAINTS=)")
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
-    sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, order_check_rows, communication_rows,
-                                        memory_rows]
+    sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, training_step_rows,
+                                        order_check_rows, communication_rows, memory_rows]
     if torch.cuda.is_available():
         sections.append(gpu_rows)
     rows = []

@@ -95,6 +95,25 @@ def test_communication_is_as_designed(checks, config):
         assert per_rank["broadcast"] == (2 * k * p_m if c["zero3"] else p_m), c
 
 
+def test_each_layer_broadcasts_ahead_of_its_use_and_reduces_once_per_owner(checks):
+    # Z3, one optimizer step (3 micro-batches, no_sync on the first 2), the event log of every rank.
+    c = checks["schedule"]
+    ahead, in_time = c["depth1"], c["depth0"]
+    # Prefetch depth 1: layer i+1's broadcast is issued before layer i's forward ends, and layer i-1's
+    # before layer i's backward starts. Depth 0, the synchronous schedule: neither.
+    assert all(ahead["forward_prefetched"]) and all(ahead["backward_prefetched"]), c
+    assert not any(in_time["forward_prefetched"]) and not any(in_time["backward_prefetched"]), c
+    for schedule in (ahead, in_time):
+        assert schedule["same_sequence_on_every_rank"], c
+        # One reduce per (layer, owner) bucket: fewer calls than matrices once layers hold more
+        # matrices than there are ranks (4 per layer here).
+        assert schedule["reduce_calls"] == schedule["layer_owner_pairs"], c
+        if c["nproc"] < 4:
+            assert schedule["reduce_calls"] < schedule["matrices"], c
+    # The same collectives, issued earlier: the same sums in the same order, bit for bit.
+    assert c["max_abs_diff_between_schedules"] == 0.0, c
+
+
 def test_no_sync_divides_reduce_bytes_by_k(checks):
     with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
     assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]
@@ -254,6 +273,15 @@ def test_a_model_without_dedicated_params_is_refused():
         pass
 
 
+@pytest.mark.parametrize("depth", [-1, 1.0, True, "1"])
+def test_forward_prefetch_depth_must_be_an_int_of_at_least_zero(one_rank, depth):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_dedicated)
+    fully_shard(model, mesh=one_rank)
+    with pytest.raises(ValueError, match="forward_prefetch_depth must be an int >= 0"):
+        dmuon.Muon(model, forward_prefetch_depth=depth)
+
+
 def test_unsupported_state_dict_options_raise(one_rank):
     model = Tiny()
     dmuon.dedicate_params(model, one_rank, is_dedicated)
@@ -332,19 +360,13 @@ def _names_the_divergence(message):
             and all(f"the forward of layers.{i}" in message for i in (1, 2)) and "rank 0" in message and "rank 1" in message)
 
 
-def test_a_rank_that_skips_a_layer_is_caught_before_its_collectives_on_every_rank(checks):
-    # Z3, first micro-batch: both ranks would pair layer 1's broadcast with layer 2's. The rank that
-    # gets there second raises at the layer's forward; the first reads its message when its
-    # broadcast times out.
-    messages = real_use(checks, "divergence")["z3"]
-    assert all(_names_the_divergence(m) for m in messages), messages
-
-
-def test_a_rank_that_skips_a_resident_layer_is_caught_by_the_second_rank_to_get_there(checks):
-    # Z2, second micro-batch: the matrices are resident, no dmuon collective would notice. The
-    # second rank raises at the layer's forward; the first times out in fully_shard's next
-    # all-gather (its message is FSDP2's); no rank goes on.
-    messages = real_use(checks, "divergence")["z2"]
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_a_rank_that_skips_a_layer_is_caught_and_no_rank_goes_on(checks, mode):
+    # Z3, first micro-batch: layer 1's broadcasts would pair with layer 2's; Z2, second micro-batch:
+    # the matrices are resident and no dmuon collective would notice. The rank that gets to the
+    # layer second raises there, naming it; the other raises when its next wait times out: in a
+    # dmuon collective with the same message, or in fully_shard's all-gather with FSDP2's.
+    messages = real_use(checks, "divergence")[mode]
     assert all(m is not None for m in messages) and any(_names_the_divergence(m) for m in messages), messages
 
 

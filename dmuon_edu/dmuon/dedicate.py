@@ -4,14 +4,25 @@ Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
 ``model._dmuon``. Hooks, all registered by :func:`dedicate_params`:
 
 - on each *unit* (the module of a layer, see plan.layer_of), a forward pre-hook that
-  makes the unit's dedicated parameters resident (one broadcast per owner and dtype,
-  packed), and a forward hook that, in Z3, releases them again and arranges for the
-  broadcast to be repeated when backward reaches the unit (a hook on the unit's
-  outputs, which autograd runs before the unit's own backward);
+  issues the unit's broadcasts (one per owner and dtype, packed) and those of the next
+  ``prefetch_depth`` units, then waits for its own; and a forward hook that, in Z3,
+  releases them again and arranges for the broadcast to be repeated when backward
+  reaches the unit (a hook on the unit's outputs, which autograd runs before the unit's
+  own backward), prefetching the previous units' there;
 - on each dedicated parameter, a post-accumulate-grad hook: inside no_sync it moves
-  ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad``,
-  reduces (AVG) to the owner and adds the result into the owner's ``p._reduced_grad``.
-  Either way ``p.grad`` is left None. In Z3 a non-owner releases the parameter there.
+  ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad`` and
+  puts the gradient in its *bucket* (the matrices of one unit with one owner and dtype).
+  A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one packed
+  buffer; a callback at the end of the backward reduces partial buckets (matrices that
+  got no gradient), waits for every reduce and adds the results into the owners'
+  ``p._reduced_grad``. Either way ``p.grad`` is left None. In Z3 a non-owner releases
+  the parameter there.
+
+Every collective is asynchronous (``async_op=True``) and waited just before its result
+is used, so it travels while the previous layer computes: on CUDA, NCCL runs it on its
+own stream and ``work.wait()`` makes the compute stream wait for it; on CPU gloo runs it
+on its worker threads. Every rank issues the same collectives in the same order (the
+units' and buckets' order is the model's; order.py checks it).
 
 A non-owner's parameter is a guarded placeholder between uses (placeholder.py). A
 matrix reached from several modules (tied weights) belongs to the unit of each of them;
@@ -48,12 +59,37 @@ __all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "DMuonState"
 
 
 @dataclass(eq=False)
+class InFlight:
+    """One asynchronous collective: its work handle, its buffer, and the parameters packed in it."""
+
+    event: int  # its number in the CollectiveOrder
+    description: str
+    owner: int
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    work: dist.Work
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The gradients one reduce carries: a unit's matrices of one (owner, dtype), each matrix in the first
+    unit (in model order) that uses it, whose backward is the last to add to its gradient."""
+
+    unit: Unit
+    owner: int
+    params: list[nn.Parameter]
+    ready: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)  # this backward's gradients so far
+
+
+@dataclass(eq=False)
 class Unit:
     """The dedicated parameters one layer uses, packed per (owner, dtype): one broadcast each."""
 
     path: str
+    index: int  # in model order: forward prefetches index + 1, backward index - 1
     packs: list[tuple[int, list[nn.Parameter]]]
-    resident: bool = False
+    resident: bool = False  # broadcast issued (maybe still in flight) and not released
+    in_flight: list[InFlight] = field(default_factory=list)
     precision: tuple[torch.dtype | None, torch.dtype | None] | None = None  # (param_dtype, reduce_dtype), found lazily
 
 
@@ -64,10 +100,15 @@ class DMuonState:
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
     owners: dict[str, int]  # name -> owner's rank in the mesh
-    order: CollectiveOrder = field(repr=False)  # every collective below goes through order.collective
+    order: CollectiveOrder = field(repr=False)  # every collective below is checked by it
     units: list[Unit] = field(default_factory=list)
     units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
+    bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
+    buckets: list[Bucket] = field(default_factory=list)
     holders: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))  # resident units using p
+    reducing: list[InFlight] = field(default_factory=list)  # this backward's reduces, waited at its end
+    end_of_backward_queued: bool = False
+    prefetch_depth: int = 1  # units whose broadcast is issued ahead of the one in use (dmuon.Muon sets it)
     in_no_sync: bool = False
 
     def __post_init__(self):
@@ -86,7 +127,19 @@ class DMuonState:
 
     # -- residency ------------------------------------------------------------------
     def make_resident(self, unit: Unit) -> None:
-        """Every rank gets the unit's dedicated parameters: each owner broadcasts one packed buffer."""
+        """The unit's dedicated parameters hold their values on every rank (issued now if not yet)."""
+        self.issue_broadcasts(unit)
+        self.land(unit)
+
+    def prefetch(self, unit: Unit, step: int) -> None:
+        """Issue the broadcasts of the ``prefetch_depth`` units after ``unit`` (step +1: forward, -1: backward)."""
+        for i in range(1, self.prefetch_depth + 1):
+            index = unit.index + step * i
+            if 0 <= index < len(self.units):
+                self.issue_broadcasts(self.units[index])
+
+    def issue_broadcasts(self, unit: Unit) -> None:
+        """Each owner starts sending the unit's matrices it owns, packed in one buffer per (owner, dtype)."""
         if unit.resident:
             return
         param_dtype, _ = self.precision(unit)
@@ -96,25 +149,36 @@ class DMuonState:
                 flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
             else:
                 flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
-            with self.order.collective(f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
-                                       f"({flat.numel()} values of {dtype})"):
-                dist.broadcast(flat, group=self.group, group_src=owner)
-            offset = 0
+            description = (f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
+                           f"({flat.numel()} values of {dtype})")
+            event = self.order.check(description)
+            work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
+            unit.in_flight.append(InFlight(event, description, owner, params, flat, work))
             for p in params:
-                values = flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape)
+                self.holders[p] += 1
+        unit.resident = True
+
+    def land(self, unit: Unit) -> None:
+        """Wait for the unit's broadcasts in flight and point its parameters at the received values."""
+        for sent in unit.in_flight:
+            with self.order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            offset = 0
+            for p in sent.params:
+                values = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape)
                 offset += p._dmuon_shape.numel()
-                if owner == self.rank:
-                    if dtype != p._dmuon_dtype:  # compute with the policy's copy; the master waits
+                if sent.owner == self.rank:
+                    if values.dtype != p._dmuon_dtype:  # compute with the policy's copy; the master waits
                         _set_data(p, values)
                 else:
                     placeholder.hold(p, values)
-                self.holders[p] += 1
-        unit.resident = True
+        unit.in_flight.clear()
 
     def release(self, unit: Unit) -> None:
         """The unit is done with its parameters: non-owners drop copies no resident unit uses."""
         if not unit.resident:
             return
+        self.land(unit)  # a prefetched broadcast still owns its buffer until it completes
         for _, params in unit.packs:
             for p in params:
                 self.holders[p] = max(0, self.holders[p] - 1)
@@ -124,11 +188,12 @@ class DMuonState:
 
     def release_all(self) -> None:
         """Every non-owner copy is dropped and every owner computes from its master again."""
+        for unit in self.units:
+            self.land(unit)
+            unit.resident = False
         for p in self.params.values():
             self.holders[p] = 0
             self._drop(p)
-        for unit in self.units:
-            unit.resident = False
 
     def _drop(self, p: nn.Parameter) -> None:
         if self.owns(p):
@@ -156,27 +221,58 @@ class DMuonState:
     def on_grad(self, p: nn.Parameter) -> None:
         """Called once p.grad holds this backward's whole gradient."""
         g, p.grad = p.grad, None
-        _, reduce_dtype = self.precision(self.units_of[p][0])
         g = g.to(p._dmuon_dtype)  # accumulate and keep in the master's precision
         if self.in_no_sync:
             p._accumulated_grad = g if p._accumulated_grad is None else p._accumulated_grad.add_(g)
         else:
             if p._accumulated_grad is not None:
                 g, p._accumulated_grad = p._accumulated_grad.add_(g), None
-            wire = g.to(reduce_dtype or g.dtype).contiguous()
-            owner = self.owner_of(p)
-            with self.order.collective(f"the reduce of {self.name_of[p]}'s gradient to rank {owner} "
-                                       f"({wire.numel()} values of {wire.dtype})"):
-                dist.reduce(wire, group=self.group, group_dst=owner, op=dist.ReduceOp.AVG)
-            if owner == self.rank:
-                g = wire.to(p._dmuon_dtype)
-                p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+            bucket = self.bucket_of[p]
+            bucket.ready[p] = g
+            if not self.end_of_backward_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_backward))
+                self.end_of_backward_queued = True
+            if len(bucket.ready) == len(bucket.params):
+                self.issue_reduce(bucket)
         if self.reshard_after_forward:
             # On every rank alike, owner or not, so that all ranks agree on the next broadcast.
             for unit in self.units_of[p]:
+                self.land(unit)
                 unit.resident = False
             self.holders[p] = 0
             self._drop(p)
+
+    def issue_reduce(self, bucket: Bucket) -> None:
+        """Start reducing (AVG) the bucket's gradients to their owner, in one packed buffer."""
+        params = [p for p in bucket.params if p in bucket.ready]  # all of them, unless the backward ended first
+        _, reduce_dtype = self.precision(bucket.unit)
+        wire_dtype = reduce_dtype or params[0]._dmuon_dtype
+        flat = torch.cat([bucket.ready[p].to(wire_dtype).reshape(-1) for p in params])
+        bucket.ready.clear()
+        description = (f"the reduce of {bucket.unit.path or 'the model'}'s gradients to rank {bucket.owner} "
+                       f"({len(params)} matrices, {flat.numel()} values of {wire_dtype})")
+        event = self.order.check(description)
+        work = dist.reduce(flat, group=self.group, group_dst=bucket.owner, op=dist.ReduceOp.AVG, async_op=True)
+        self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work))
+
+    def finish_backward(self) -> None:
+        """At the end of a backward: reduce what a partial bucket holds, wait for every reduce, and add
+        the results into the owners' ``_reduced_grad``."""
+        self.end_of_backward_queued = False
+        for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
+            if bucket.ready:
+                self.issue_reduce(bucket)
+        for sent in self.reducing:
+            with self.order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            if sent.owner != self.rank:
+                continue
+            offset = 0
+            for p in sent.params:
+                g = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape).to(p._dmuon_dtype)
+                offset += p._dmuon_shape.numel()
+                p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+        self.reducing.clear()
 
 
 def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
@@ -334,11 +430,17 @@ def _build_units(model: nn.Module, state: DMuonState) -> None:
             pack = packs.setdefault((state.owner_of(p), str(p._dmuon_dtype)), [])
             if all(q is not p for q in pack):  # identity: == on tensors compares values
                 pack.append(p)
-        unit = Unit(path, [(owner, ps) for (owner, _), ps in sorted(packs.items())])
+        unit = Unit(path, len(state.units), [(owner, ps) for (owner, _), ps in sorted(packs.items())])
         state.units.append(unit)
-        for ps in packs.values():
+        for owner, ps in unit.packs:
             for p in ps:
                 state.units_of[p].append(unit)
+            # A tied matrix's gradient is complete after the backward of its first unit.
+            first_use = [p for p in ps if p not in state.bucket_of]
+            if first_use:
+                bucket = Bucket(unit, owner, first_use)
+                state.buckets.append(bucket)
+                state.bucket_of.update((p, bucket) for p in first_use)
         module = model.get_submodule(path)
         module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: _before_forward(state, unit)))
         module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))
@@ -368,7 +470,10 @@ def _unit_path(model: nn.Module, name: str) -> str:
 
 def _before_forward(state: DMuonState, unit: Unit) -> None:
     state.order.check(f"the forward of {unit.path or 'the model'}")
-    state.make_resident(unit)
+    state.issue_broadcasts(unit)
+    if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+        state.prefetch(unit, +1)
+    state.land(unit)
 
 
 def _after_forward(state: DMuonState, unit: Unit, output) -> None:
@@ -381,7 +486,9 @@ def _after_forward(state: DMuonState, unit: Unit, output) -> None:
         # Autograd runs a hook on an output's gradient before the backward of the
         # operation that made the output, i.e. before the unit's backward.
         def before_backward(grad):
-            state.make_resident(unit)
+            state.issue_broadcasts(unit)
+            state.prefetch(unit, -1)
+            state.land(unit)
 
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -68,6 +68,9 @@ class Muon(torch.optim.Optimizer):
             hyperparameters of the dedicated matrices, as in dmuon_edu.muon.Muon.
         adamw_lr, adamw_betas, adamw_weight_decay, adamw_eps: torch.optim.AdamW's lr,
             betas, weight_decay and eps for every other trainable parameter.
+        forward_prefetch_depth: how many layers ahead a layer's forward issues their
+            broadcasts (the backward of Z3 likewise, in reverse order), so that they
+            travel while this layer computes; 0 issues each at its own layer's forward.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -92,10 +95,18 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         adjust_lr_fn: str = "match_rms_adamw",
         ns_dtype: torch.dtype = torch.bfloat16,
+        forward_prefetch_depth: int = 1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")
         self._dmuon = state_of(model)
+        depth = forward_prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(
+                f"forward_prefetch_depth must be an int >= 0 (0: each layer's broadcast waits until its forward), "
+                f"got {forward_prefetch_depth!r}; 1 is the default"
+            )
+        self._dmuon.prefetch_depth = depth
         dedicated = list(self._dmuon.params.values())
         is_dedicated = {id(p) for p in dedicated}
         others = [p for p in model.parameters() if id(p) not in is_dedicated and p.requires_grad]
@@ -204,6 +215,8 @@ class Muon(torch.optim.Optimizer):
             p._reduced_grad = None
             p._accumulated_grad = None
             p.grad = None
+        for bucket in self._dmuon.buckets:  # what a backward that raised left unreduced
+            bucket.ready.clear()
         self._adamw.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):

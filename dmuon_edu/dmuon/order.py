@@ -42,21 +42,27 @@ class CollectiveOrder:
 
     @contextlib.contextmanager
     def collective(self, description: str) -> Iterator[None]:
-        """Bracket one collective: check it is every rank's next one, and explain its failure if they diverged."""
-        self.check(description)
+        """Bracket one synchronous collective: check it is every rank's next one, explain its failure."""
+        with self.waiting(self.check(description), description):
+            yield
+
+    @contextlib.contextmanager
+    def waiting(self, event: int, description: str) -> Iterator[None]:
+        """Bracket the wait for event ``event``: if it fails and the ranks diverged, say so."""
         try:
             yield
         except RuntimeError as error:
             diverged = self._divergence_report()
             if diverged is not None:
                 raise RuntimeError(
-                    f"{diverged} (this rank, {self.rank}, was waiting in its event #{self.issued - 1}, "
+                    f"{diverged} (this rank, {self.rank}, was waiting in its event #{event}, "
                     f"{description}, until the timeout)"
                 ) from error
             raise
 
-    def check(self, description: str) -> None:
-        """Raise unless ``description`` is what the first rank to get here described as this event."""
+    def check(self, description: str) -> int:
+        """Raise unless ``description`` is what the first rank to get here described as this event;
+        return the event's number."""
         n = self.issued
         self.issued += 1
         slot = f"{self.key}/{n % SLOTS}"
@@ -75,6 +81,7 @@ class CollectiveOrder:
             )
             self.store.compare_set(f"{self.key}/diverged", "", message)
             raise RuntimeError(message)
+        return n
 
     def _divergence_report(self) -> str | None:
         """The first divergence message a rank left, if any."""

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from dmuon_edu import distributed, dmuon, muon
@@ -396,6 +397,73 @@ def check_misuse(mesh):
     report("misuse", **per_rank_outcomes(outcome))
 
 
+class ScheduleLog(TorchDispatchMode):
+    """What one rank does, in order: its c10d collectives (op and size), dmuon's events (the
+    descriptions its order check is given), and the end of each layer's forward and the start of its
+    backward (a hook on its output, which autograd runs after dmuon's, registered earlier)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.events = []
+        order = model._dmuon.order
+        check = order.check
+        order.check = lambda description: (self.events.append(("dmuon", description)), check(description))[1]
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_hook(lambda _m, _a, out, i=i: self._end_of_forward(i, out))
+
+    def _end_of_forward(self, i, output):
+        self.events.append(("end of forward", f"layers.{i}"))
+        if output.requires_grad:
+            output.register_hook(lambda grad: self.events.append(("start of backward", f"layers.{i}")))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func.overloadpacket.__name__.endswith("_"):  # the collectives
+            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            self.events.append(("c10d", f"{func.overloadpacket.__name__} {tensors[0].numel() if tensors else 0}"))
+        return func(*args, **(kwargs or {}))
+
+    def first(self, kind, text):
+        return next(i for i, (k, what) in enumerate(self.events) if k == kind and text in what)
+
+    def all(self, kind, text):
+        return [i for i, (k, what) in enumerate(self.events) if k == kind and text in what]
+
+
+def check_schedule(mesh):
+    """Z3 with forward_prefetch_depth 1 and 0: when each layer's broadcast is issued, how many reduces
+    a step makes, whether every rank issues the same sequence, and whether both schedules agree."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, _, total = window(0, rank, world)
+    result, params = {}, {}
+    for depth in (1, 0):
+        model, opt = build(mesh, zero3=True)
+        opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+                         adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"], forward_prefetch_depth=depth)
+        log = ScheduleLog(model)
+        with log:
+            train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), mine, total, use_no_sync=True)
+        params[depth] = full_params(model)
+        last = len(model.layers) - 1
+        forward = [log.first("dmuon", f"broadcast of layers.{i + 1}'s") < log.first("end of forward", f"layers.{i}")
+                   for i in range(last)]
+        # Z3 broadcasts every layer again before its backward, which starts after the last layer's forward.
+        forward_ends = log.first("end of forward", f"layers.{last}")
+        backward = [min(j for j in log.all("dmuon", f"broadcast of layers.{i - 1}'s") if j > forward_ends)
+                    < log.first("start of backward", f"layers.{i}") for i in range(1, last + 1)]
+        collectives = [what for kind, what in log.events if kind == "c10d"]
+        reduces = sum(what.startswith("reduce_ ") for what in collectives)
+        owners = dmuon.ownership(model)
+        buckets = len({(name.split(".")[1], owner) for name, owner in owners.items()})  # (layer, owner) pairs
+        everyone = per_rank(collectives)
+        result[f"depth{depth}"] = dict(
+            forward_prefetched=forward, backward_prefetched=backward, reduce_calls=reduces,
+            layer_owner_pairs=buckets, matrices=len(owners),
+            same_sequence_on_every_rank=all(seq == everyone[0] for seq in everyone),
+            collectives=len(collectives))
+    diff = max((params[1][n] - params[0][n]).abs().max().item() for n in params[1])
+    report("schedule", **result, max_abs_diff_between_schedules=diff)
+
+
 def check_divergence():
     """A rank that skips a layer: in Z3 the forward's broadcasts diverge, in Z2 (resident) the
     backward's reduces. Every rank raises, naming the layers and the ranks."""
@@ -541,6 +609,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference runs in true float32 on the CPU
         real_use = ranks.world_size == 2  # what real training does, tested once: on 2 ranks
         check_structure(mesh)
+        check_schedule(mesh)
         if real_use:
             check_placeholders(mesh)
             check_misuse(mesh)
