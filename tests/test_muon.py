@@ -127,6 +127,87 @@ def test_gradient_scale_does_not_change_the_update():
         assert relative_error(q, W0, p.detach().double()) < 1e-5
 
 
+@pytest.mark.parametrize("scale", [1e20, 1e30])
+def test_a_huge_finite_gradient_gives_the_update_of_its_direction(scale):
+    # torch.optim.Muon (torch 2.13) moves nothing here: its bf16 norm of 1e20-sized entries
+    # overflows to inf and G / inf = 0, and its momentum keeps it there for the next 41 to
+    # 88 steps after 1e20 and 490 to 537 after 1e30 on these shapes (measured, weight
+    # decay off). Ours gives the update of the gradient's direction at once.
+    W0s, grads = random(SHAPES, steps=1, seed=12)
+    huge = [[scale * g for g in grads[0]]]
+    params, opt = run(Muon, W0s, huge, lr=0.02, ns_dtype=torch.float32)
+    plain, _ = run(Muon, W0s, grads, lr=0.02, ns_dtype=torch.float32)
+    for i, (p, q, W0) in enumerate(zip(params, plain, W0s)):
+        assert p.isfinite().all() and not torch.equal(p, W0)
+        # float64 squares 1e30 without overflow, so the contract is evaluated on the huge gradient itself
+        assert relative_error(p, W0, contract_float64(W0, [huge[0][i]], [0.02])) < FP32_RTOL
+        # and it is the update of the gradient scaled down: the two differ by eps / ||U||_F
+        # (~1e-9) and by float32 rounding, of the scaled entries too, amplified through NS as
+        # in the contract comparison (measured 1e-5 here), so FP32_RTOL applies.
+        assert relative_error(p, W0, q.detach().double()) < FP32_RTOL
+
+
+@pytest.mark.parametrize("path", ["one matrix at a time", "batched"])
+@pytest.mark.parametrize("scale, momentum, steps", [(1e20, 0.95, 6), (1e30, 0.95, 6), (1e20, 0.5, 90)])
+def test_after_a_huge_gradient_every_step_moves_the_weights_as_momentum_says(scale, momentum, steps, path, monkeypatch):
+    # Momentum carries the huge gradient: B_k = mu^k B_0 + ..., so its direction leads until
+    # mu^k scale falls to the ordinary gradients' size, k = ln(scale) / ln(1 / mu): about 900
+    # steps at 0.95, 66 at 0.5 for 1e20. The 90 steps at 0.5 reach the ordinary gradients'
+    # own updates, all of it against the float64 contract.
+    monkeypatch.setattr(muon_module, "batching_pays", lambda matrix: path == "batched")
+    W0s, grads = random([(24, 96), (80, 20)], steps=steps, seed=13)
+    grads[0] = [scale * g for g in grads[0]]
+    params = [nn.Parameter(w.clone()) for w in W0s]
+    opt = Muon(params, lr=0.02, momentum=momentum, ns_dtype=torch.float32)
+    for step_grads in grads:
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+        for p, b in zip(params, before):
+            assert p.isfinite().all() and (p - b).norm() > 0.01  # an update of unit scale moves them by lr * s * ~||O||
+    for i, (p, W0) in enumerate(zip(params, W0s)):
+        expected = contract_float64(W0, [g[i] for g in grads], [0.02] * steps, momentum=momentum)
+        assert relative_error(p, W0, expected) < FP32_RTOL
+
+
+def test_a_buffer_that_would_overflow_saturates_and_keeps_stepping():
+    # One entry of 3e38 (the sum stays finite): U = G + 0.95 B = 1.95 G overflows float32 at
+    # the first step, and B = 0.95 B + G at the second. Both are held at the largest float32;
+    # the other entries are ~1, 1e-38 of it, so the direction is still the contract's.
+    W0s, grads = random([(8, 16)], steps=5, seed=14)
+    for step in (0, 1):
+        grads[step][0][3, 5] = 3e38
+    params, opt = run(Muon, W0s, grads[:2], lr=0.02, ns_dtype=torch.float32)
+    buffer = opt.state[params[0]]["momentum_buffer"]
+    assert buffer.abs().max() == torch.finfo(torch.float32).max  # it did saturate
+    for g in grads[2:]:
+        before = params[0].detach().clone()
+        params[0].grad = g[0].clone()
+        opt.step()
+        assert params[0].isfinite().all() and (params[0] - before).norm() > 0.01
+    assert buffer.isfinite().all()
+    expected = contract_float64(W0s[0], [g[0] for g in grads], [0.02] * 5)
+    assert relative_error(params[0], W0s[0], expected) < FP32_RTOL
+
+
+def test_an_fp16_buffer_saturates_instead_of_turning_the_weights_to_nan():
+    # fp16's largest value is 65504: a steady gradient of 2e4 takes B towards 2e4 / (1 - 0.95)
+    # = 4e5. U = G + 0.95 B would overflow to inf at the third step (7.4e4), B at the fourth,
+    # and NaN would follow.
+    p = nn.Parameter(torch.zeros(16, 16, dtype=torch.float16))
+    gradient = 20000 * torch.randn(16, 16, generator=torch.Generator().manual_seed(15)).sign().half()
+    opt = Muon([p], lr=0.02)
+    for _ in range(8):
+        before = p.detach().clone()
+        p.grad = gradient.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no step is skipped either
+            opt.step()
+        assert p.isfinite().all() and not torch.equal(p, before)
+    assert opt.state[p]["momentum_buffer"].abs().max() == 65504
+
+
 def test_grad_is_not_modified():
     W0s, grads = random([(16, 32)], steps=2, seed=4)
     p = nn.Parameter(W0s[0].clone())
@@ -141,7 +222,7 @@ def _newton_schulz_calls(monkeypatch, W0s, grads, batched, **hyper):
     calls, newton_schulz = [], muon_module.newton_schulz
 
     def spy(G, **kwargs):
-        calls.append(len(G) if isinstance(G, list) else 1)
+        calls.append(len(G) if isinstance(G, list) or G.ndim == 3 else 1)  # a list or a (batch, m, n) tensor
         return newton_schulz(G, **kwargs)
 
     monkeypatch.setattr(muon_module, "newton_schulz", spy)

@@ -148,6 +148,32 @@ def test_input_scale_does_not_matter():
     assert relative_error(b, a.double()) < 1e-5
 
 
+# Entries whose squares add up past float32's largest value (3.4e38): one of 1e20 does.
+# (256, 512) takes the Gram-space path. float64 entries of 1e200 overflow float64's squares.
+@pytest.mark.parametrize("shape", [(32, 96), (96, 32), (256, 512)])
+@pytest.mark.parametrize("scale, dtype", [(1e20, torch.float32), (1e30, torch.float32), (1e38, torch.float32),
+                                          (1e200, torch.float64)])
+def test_a_huge_finite_matrix_gives_its_direction_not_zero(shape, scale, dtype):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    G = G / G.abs().max()  # entries up to 1, so that 1e38 * G stays finite in float32
+    out = newton_schulz((scale * G).to(dtype), dtype=torch.float32)
+    # The reference is scale-free: it normalises G itself. The scale is exact up to one
+    # float32 rounding of each entry (6e-8), and eps / ||G||_F changes the normalised
+    # input by ~1e-8 relative; so the float32 tolerance of the tests above applies.
+    assert out.isfinite().all()
+    assert relative_error(out, reference(G, JORDAN * 5)) < FP32_RTOL
+
+
+def test_a_huge_matrix_in_a_batch_leaves_the_others_bit_identical():
+    # The batch is normalised again after dividing by a power of two, which only shifts
+    # exponents: the ordinary matrix's quotient is the same, to the last bit.
+    g = torch.Generator().manual_seed(12)
+    ordinary, huge = torch.randn(24, 48, generator=g), 1e25 * torch.randn(24, 48, generator=g)
+    together = newton_schulz(torch.stack([ordinary, huge]))
+    assert torch.equal(together[0], newton_schulz(ordinary))
+    assert together[1].isfinite().all() and together[1].abs().max() > 0.1
+
+
 @pytest.mark.parametrize("shape", [(4, 24, 24), (3, 16, 64), (2, 512, 256)])
 def test_batch_equals_one_matrix_at_a_time(shape):
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
