@@ -114,6 +114,28 @@ def test_each_layer_broadcasts_ahead_of_its_use_and_reduces_once_per_owner(check
     assert c["max_abs_diff_between_schedules"] == 0.0, c
 
 
+def hsdp(checks, name):
+    if name not in checks:
+        pytest.skip("HSDP is checked on 4 ranks, as 2 replicas x 2 shards")
+    return checks[name]
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_hsdp_2x2_matches_single_process_full_batch(checks, mode):
+    # The same tolerance as 1-D: averaging within each replica, then across, reorders the same sums.
+    c = hsdp(checks, f"equivalence_{mode}_no_sync_hsdp")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["clip_norm_rel_diff"] < 1e-5 and c["clipped_steps"] > 0, c
+    assert hsdp(checks, f"storage_{mode}_no_sync_hsdp")["ok_every_step_every_rank"]
+
+
+def test_hsdp_publishes_the_same_weights_async_or_not_and_resumes_exactly(checks):
+    c = hsdp(checks, "hsdp_publish")
+    # One owner per matrix, planned over all 4 ranks of both axes.
+    assert c["owners"] == [0, 1, 2, 3], c
+    assert c["max_abs_diff_between_schedules"] == 0.0 and c["max_abs_diff_after_resume"] == 0.0, c
+
+
 def test_no_sync_divides_reduce_bytes_by_k(checks):
     with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
     assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]
@@ -257,6 +279,14 @@ def test_already_sharded_model_raises_runtime_error(one_rank):
 def test_mesh_must_be_one_dimensional(one_rank):
     with pytest.raises(ValueError, match="1-D DeviceMesh"):
         dmuon.dedicate_params(Tiny(), init_device_mesh("cpu", (1, 1)), is_dedicated)
+
+
+def test_a_replicate_mesh_must_be_one_axis_of_a_2d_mesh(one_rank):
+    two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match="1-D DeviceMesh as replicate_mesh"):
+        dmuon.dedicate_params(Tiny(), two_d["shard"], is_dedicated, replicate_mesh=two_d)
+    with pytest.raises(ValueError, match=r"mesh2d\['replicate'\]"):
+        dmuon.dedicate_params(Tiny(), two_d["shard"], is_dedicated, replicate_mesh="replicate")
 
 
 def test_dedicating_twice_raises(one_rank):

@@ -64,19 +64,21 @@ class InFlight:
 
     event: int  # its number in the CollectiveOrder
     description: str
-    owner: int
+    owner: int  # the source or destination in the collective's group
     params: list[nn.Parameter]
     flat: torch.Tensor
     work: dist.Work
+    replica: int = 0  # a reduce's: the replica whose holder runs Muon on these matrices
 
 
 @dataclass(eq=False)
 class Bucket:
-    """The gradients one reduce carries: a unit's matrices of one (owner, dtype), each matrix in the first
-    unit (in model order) that uses it, whose backward is the last to add to its gradient."""
+    """The gradients one reduce carries: a unit's matrices of one (owner, replica, dtype), each matrix in the
+    first unit (in model order) that uses it, whose backward is the last to add to its gradient."""
 
     unit: Unit
     owner: int
+    replica: int
     params: list[nn.Parameter]
     ready: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)  # this backward's gradients so far
 
@@ -99,14 +101,17 @@ class DMuonState:
     mesh: DeviceMesh
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
-    owners: dict[str, int]  # name -> owner's rank in the mesh
-    order: CollectiveOrder = field(repr=False)  # every collective below is checked by it
+    owners: dict[str, int]  # name -> the owner's global rank (what ownership() reports)
+    order: CollectiveOrder = field(repr=False)  # every collective over the mesh is checked by it
+    replicate_mesh: DeviceMesh | None = None  # HSDP: the replicas' axis
+    replicate_order: CollectiveOrder | None = field(default=None, repr=False)  # collectives along it
     units: list[Unit] = field(default_factory=list)
     units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
     bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
     buckets: list[Bucket] = field(default_factory=list)
     holders: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))  # resident units using p
     reducing: list[InFlight] = field(default_factory=list)  # this backward's reduces, waited at its end
+    publishing: list[InFlight] = field(default_factory=list)  # HSDP: the step's results, on their way
     end_of_backward_queued: bool = False
     prefetch_depth: int = 1  # units whose broadcast is issued ahead of the one in use (dmuon.Muon sets it)
     in_no_sync: bool = False
@@ -117,13 +122,25 @@ class DMuonState:
         self.world_size = self.mesh.size()
         self.mesh_device = next(iter(self.params.values())).device
         self.name_of = {p: name for name, p in self.params.items()}
+        replicated = self.replicate_mesh is not None
+        self.replica = self.replicate_mesh.get_local_rank() if replicated else 0
+        self.replicas = self.replicate_mesh.size() if replicated else 1
+        self.replicate_group = self.replicate_mesh.get_group() if replicated else None
+        self.everyone = dist.group.WORLD if replicated else self.group  # a collective over every rank
 
     @staticmethod
     def owner_of(p: nn.Parameter) -> int:
+        """The matrix's *holder* in the mesh: the rank that keeps it whole and broadcasts it. With a
+        replicate mesh there is one holder per replica, all at this index."""
         return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
 
     def owns(self, p: nn.Parameter) -> bool:
+        """Whether this rank holds the whole matrix between uses."""
         return self.owner_of(p) == self.rank
+
+    def runs_muon(self, p: nn.Parameter) -> bool:
+        """Whether this rank is the matrix's one owner: its holder in the replica that steps it."""
+        return self.owns(p) and p._dmuon_replica == self.replica
 
     # -- residency ------------------------------------------------------------------
     def make_resident(self, unit: Unit) -> None:
@@ -142,6 +159,7 @@ class DMuonState:
         """Each owner starts sending the unit's matrices it owns, packed in one buffer per (owner, dtype)."""
         if unit.resident:
             return
+        self.wait_published()
         param_dtype, _ = self.precision(unit)
         for owner, params in unit.packs:
             dtype = param_dtype or params[0]._dmuon_dtype
@@ -253,7 +271,7 @@ class DMuonState:
                        f"({len(params)} matrices, {flat.numel()} values of {wire_dtype})")
         event = self.order.check(description)
         work = dist.reduce(flat, group=self.group, group_dst=bucket.owner, op=dist.ReduceOp.AVG, async_op=True)
-        self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work))
+        self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work, bucket.replica))
 
     def finish_backward(self) -> None:
         """At the end of a backward: reduce what a partial bucket holds, wait for every reduce, and add
@@ -262,17 +280,69 @@ class DMuonState:
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
+        across = []  # HSDP: each holder's replica average, on to the replica that steps the matrices
         for sent in self.reducing:
             with self.order.waiting(sent.event, sent.description):
                 sent.work.wait()
             if sent.owner != self.rank:
                 continue
+            if self.replicas == 1:
+                self._add_reduced(sent)
+                continue
+            description = (f"the reduce of {len(sent.params)} matrices' replica gradients to replica "
+                           f"{sent.replica} ({sent.flat.numel()} values)")
+            event = self.replicate_order.check(description)
+            work = dist.reduce(sent.flat, group=self.replicate_group, group_dst=sent.replica, op=dist.ReduceOp.AVG,
+                               async_op=True)
+            across.append(InFlight(event, description, sent.replica, sent.params, sent.flat, work, sent.replica))
+        for sent in across:
+            with self.replicate_order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            if sent.replica == self.replica:
+                self._add_reduced(sent)
+        self.reducing.clear()
+
+    @staticmethod
+    def _add_reduced(sent: InFlight) -> None:
+        offset = 0
+        for p in sent.params:
+            g = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape).to(p._dmuon_dtype)
+            offset += p._dmuon_shape.numel()
+            p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+
+    # -- publishing (HSDP) --------------------------------------------------------------
+    def publish(self) -> None:
+        """After the step: each owner starts sending its updated matrices to their holders in the other
+        replicas, one packed buffer per (owner's replica, dtype). Nothing to do with one replica."""
+        if self.replicas == 1:
+            return
+        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
+        for p in self.params.values():
+            if self.owns(p):
+                packs.setdefault((p._dmuon_replica, str(p._dmuon_dtype)), []).append(p)
+        for (source, _), params in sorted(packs.items()):
+            if source == self.replica:
+                flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype,
+                                   device=self.mesh_device)
+            description = f"the publish of {len(params)} matrices from replica {source} ({flat.numel()} values)"
+            event = self.replicate_order.check(description)
+            work = dist.broadcast(flat, group=self.replicate_group, group_src=source, async_op=True)
+            self.publishing.append(InFlight(event, description, source, params, flat, work))
+
+    def wait_published(self) -> None:
+        """Wait for the step's published matrices and copy them into this replica's holders' masters."""
+        for sent in self.publishing:
+            with self.replicate_order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            if sent.owner == self.replica:
+                continue
             offset = 0
             for p in sent.params:
-                g = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape).to(p._dmuon_dtype)
+                p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
                 offset += p._dmuon_shape.numel()
-                p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
-        self.reducing.clear()
+        self.publishing.clear()
 
 
 def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
@@ -296,6 +366,7 @@ def dedicate_params(
     predicate: Callable[[str, nn.Parameter], bool],
     *,
     reshard_after_forward: bool = True,
+    replicate_mesh: DeviceMesh | None = None,
 ) -> dict[str, int]:
     """Give each parameter that ``predicate(name, param)`` selects one owner rank; call before fully_shard.
 
@@ -307,6 +378,14 @@ def dedicate_params(
     through every micro-batch, since the parameters cannot change before the step).
     Returns ``{name: owner rank}``.
 
+    HSDP: with ``replicate_mesh``, ``mesh`` is the shard axis of a 2-D ``(replicate,
+    shard)`` mesh (``mesh["shard"]``, ``replicate_mesh=mesh["replicate"]``; fully_shard
+    the layers on the 2-D mesh). Each matrix still has one owner, planned over every
+    rank, that runs Muon on it; in every replica the rank at the owner's shard index
+    holds it whole and broadcasts it within its replica. Gradients are averaged within
+    each replica to that holder, then across replicas to the owner; after ``step()`` the
+    owner publishes the result to the holders of the other replicas.
+
     Broadcasts happen per layer: the module named by the parameter's name up to its
     first numeric index (``model.layers[3]`` for "layers.3.mlp.up_proj.weight"), or the
     parameter's own module when there is no such index or that module is a container
@@ -314,29 +393,42 @@ def dedicate_params(
 
     Args:
         model: the plain model, not yet sharded, on the mesh's device.
-        mesh: a 1-D DeviceMesh over every rank of the process group.
+        mesh: a 1-D DeviceMesh over every rank of the process group, or, with
+            ``replicate_mesh``, the shard axis of a 2-D mesh.
         predicate: ``predicate(name, param) -> bool``, called for each of
             ``model.named_parameters()``; it must select 2-D matrices only.
         reshard_after_forward: True for Z3, False for Z2.
+        replicate_mesh: HSDP's replicate axis of the same 2-D mesh, or None.
 
     Returns:
-        ``{name: owner rank in the mesh}`` for each dedicated parameter.
+        ``{name: owner's rank}`` for each dedicated parameter (its global rank; on a
+        1-D mesh over the process group, its rank in the mesh too).
 
     Raises:
-        ValueError: the mesh is not 1-D or does not span the process group, the
-            predicate selects nothing or a non-matrix, a matrix is on another device,
-            or it shares its storage.
+        ValueError: the mesh is not 1-D or does not span the process group (with
+            ``replicate_mesh``: the two axes do not span it as a grid), the predicate
+            selects nothing or a non-matrix, a matrix is on another device, or it
+            shares its storage.
         RuntimeError: the model is already sharded, or was already dedicated.
         TypeError: ``reshard_after_forward`` is not a bool.
     """
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
-        raise ValueError(
-            f"dedicate_params needs a 1-D DeviceMesh, got {what}: use "
-            "init_device_mesh(device_type, (world_size,))"
-        )
+    for argument, value in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
+        if (value is not None or argument == "mesh") and (not isinstance(value, DeviceMesh) or value.ndim != 1):
+            what = f"a {value.ndim}-D DeviceMesh" if isinstance(value, DeviceMesh) else type(value).__name__
+            raise ValueError(
+                f"dedicate_params needs a 1-D DeviceMesh as {argument}, got {what}: use "
+                "init_device_mesh(device_type, (world_size,)), or for HSDP mesh=mesh2d['shard'], "
+                "replicate_mesh=mesh2d['replicate'] of init_device_mesh(device_type, (replicas, shards), "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
     world = dist.get_world_size() if dist.is_initialized() else None
-    if mesh.size() != world:
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    if replicate_mesh is not None and mesh.size() * replicas != world:
+        raise ValueError(
+            f"the shard mesh ({mesh.size()} ranks) times the replicate mesh ({replicas}) is not the process "
+            f"group's {world} ranks: pass the two axes of one 2-D mesh over every rank"
+        )
+    if replicate_mesh is None and mesh.size() != world:
         raise ValueError(
             f"the mesh spans {mesh.size()} rank(s) but the process group has {world}: dmuon needs a mesh over "
             f"every rank of the process group; build it with init_device_mesh('{mesh.device_type}', "
@@ -372,18 +464,25 @@ def dedicate_params(
         if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
             raise ValueError(f"{name} shares its storage with another tensor; dedicated parameters need their own")
 
-    key = _require_the_same_selection_on_every_rank(params, mesh.get_group())
-    owners = plan_owners({name: tuple(p.shape) for name, p in params.items()}, mesh.size())
-    state = DMuonState(model, mesh, reshard_after_forward, params, owners, CollectiveOrder(key, mesh.get_local_rank()))
+    key, rank_at = _agree_on_every_rank(params, mesh, replicate_mesh)
+    shards = mesh.size()
+    plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
+    # Owner g of the plan: replica g // shards, shard index g % shards.
+    owners = {name: rank_at[divmod(g, shards)] for name, g in plan.items()}
+    replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank())
+                       if replicate_mesh is not None else None)
+    state = DMuonState(model, mesh, reshard_after_forward, params, owners, CollectiveOrder(key, dist.get_rank()),
+                       replicate_mesh, replicate_order)
     fsdp_exclusion.install()
     for name, p in params.items():
-        setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, owners[name])
+        setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
+        p._dmuon_replica = plan[name] // shards
         p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = p.shape, p.dtype, p.data
         p._reduced_grad = None
         p._accumulated_grad = None
-        if owners[name] != state.rank:
+        if not state.owns(p):
             p._dmuon_master = None
-            placeholder.make_placeholder(p, name, owners[name], state.rank)
+            placeholder.make_placeholder(p, name, owners[name], dist.get_rank())
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
     _build_units(model, state)
@@ -391,30 +490,42 @@ def dedicate_params(
     return dict(owners)
 
 
-def _require_the_same_selection_on_every_rank(params: dict[str, nn.Parameter], group) -> str:
-    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair wrongly.
+def _agree_on_every_rank(params: dict[str, nn.Parameter], mesh: DeviceMesh,
+                         replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
+    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair
+    wrongly; with a replicate mesh, the two axes must cover the process group as a grid.
 
-    Returns a store key for this model's CollectiveOrder that every rank shares (rank 0's).
+    Returns a store key for this model's CollectiveOrder that every rank shares (rank 0's), and
+    ``{(replica, shard index): global rank}``.
     """
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in params.items()]
-    key = f"dmuon/order/{uuid.uuid4().hex}"
+    replica = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
+    here = (f"dmuon/order/{uuid.uuid4().hex}", mine, (replica, mesh.get_local_rank()), dist.get_rank())
+    group = mesh.get_group() if replicate_mesh is None else None  # None: the default group, every rank
     everyone: list = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(everyone, (key, mine), group=group)
+        dist.all_gather_object(everyone, here, group=group)
     except RuntimeError as error:
         raise RuntimeError(
             "dedicate_params: not every rank called dedicate_params within the collective timeout. Every rank "
             "must call it, with the same model and predicate"
         ) from error
-    for rank, (_, theirs) in enumerate(everyone):
+    for _, theirs, _, rank in everyone:
         if theirs != mine:
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
-                f"dedicate_params: rank {dist.get_rank(group)} and rank {rank} selected different matrices; the first "
+                f"dedicate_params: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype). The predicate must "
                 "select the same parameters on every rank: make it depend on names and shapes only"
             )
-    return everyone[0][0]
+    rank_at = {coordinates: rank for _, _, coordinates, rank in everyone}
+    grid = {(r, s) for r in range(replicate_mesh.size() if replicate_mesh is not None else 1) for s in range(mesh.size())}
+    if set(rank_at) != grid or len(rank_at) != len(everyone):
+        raise ValueError(
+            "mesh and replicate_mesh are not the two axes of one 2-D mesh: every (replica, shard) pair must be "
+            "exactly one rank. Pass mesh2d['shard'] and mesh2d['replicate'] of the same init_device_mesh"
+        )
+    return everyone[0][0], rank_at
 
 
 def _build_units(model: nn.Module, state: DMuonState) -> None:
@@ -437,10 +548,11 @@ def _build_units(model: nn.Module, state: DMuonState) -> None:
                 state.units_of[p].append(unit)
             # A tied matrix's gradient is complete after the backward of its first unit.
             first_use = [p for p in ps if p not in state.bucket_of]
-            if first_use:
-                bucket = Bucket(unit, owner, first_use)
+            for replica in sorted({p._dmuon_replica for p in first_use}):
+                members = [p for p in first_use if p._dmuon_replica == replica]
+                bucket = Bucket(unit, owner, replica, members)
                 state.buckets.append(bucket)
-                state.bucket_of.update((p, bucket) for p in first_use)
+                state.bucket_of.update((p, bucket) for p in members)
         module = model.get_submodule(path)
         module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: _before_forward(state, unit)))
         module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))

@@ -71,6 +71,10 @@ class Muon(torch.optim.Optimizer):
         forward_prefetch_depth: how many layers ahead a layer's forward issues their
             broadcasts (the backward of Z3 likewise, in reverse order), so that they
             travel while this layer computes; 0 issues each at its own layer's forward.
+        replicate_async: with a replicate mesh (HSDP), start publishing each owner's
+            updated matrices to the other replicas at the end of ``step()`` and wait for
+            them at the next forward (True), or within ``step()`` (False). The same
+            results either way; nothing to publish on a 1-D mesh.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -96,6 +100,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str = "match_rms_adamw",
         ns_dtype: torch.dtype = torch.bfloat16,
         forward_prefetch_depth: int = 1,
+        replicate_async: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")
@@ -107,10 +112,13 @@ class Muon(torch.optim.Optimizer):
                 f"got {forward_prefetch_depth!r}; 1 is the default"
             )
         self._dmuon.prefetch_depth = depth
+        if not isinstance(replicate_async, bool):
+            raise ValueError(f"replicate_async must be True or False, got {replicate_async!r}")
+        self.replicate_async = replicate_async
         dedicated = list(self._dmuon.params.values())
         is_dedicated = {id(p) for p in dedicated}
         others = [p for p in model.parameters() if id(p) not in is_dedicated and p.requires_grad]
-        self._owned = [p for p in dedicated if self._dmuon.owns(p)]
+        self._owned = [p for p in dedicated if self._dmuon.runs_muon(p)]
         unsharded = [n for n, p in model.named_parameters()
                      if id(p) not in is_dedicated and p.requires_grad and not isinstance(p, DTensor)]
         if unsharded and self._dmuon.world_size > 1:
@@ -175,6 +183,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         self._push_hyperparameters()
         # Owners step their masters; no copy a layer used is needed after the last backward.
+        self._dmuon.wait_published()
         self._dmuon.release_all()
         if not self._gradients_finite():
             self.skipped_steps += 1
@@ -192,6 +201,9 @@ class Muon(torch.optim.Optimizer):
         finally:
             for p in self._owned:
                 p.grad = None
+        self._dmuon.publish()
+        if not self.replicate_async:
+            self._dmuon.wait_published()
         self._adamw.step()
         return loss
 
@@ -204,9 +216,10 @@ class Muon(torch.optim.Optimizer):
         extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
         bad = self._nonfinite_flag
         bad.copy_((~torch.cat(extremes).isfinite()).any() if extremes else False)
-        if self._dmuon.world_size > 1:
+        everyone = self._dmuon.everyone
+        if dist.get_world_size(everyone) > 1:
             with self._dmuon.order.collective("the optimizer step's all-reduce of its finite-gradients flag"):
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._dmuon.group)
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=everyone)
         return bad.item() == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -64,7 +64,7 @@ class DedicatedParameter(nn.Parameter):
     """A dedicated matrix on a rank that does not own it (see the module docstring)."""
 
     _dmuon_name: str
-    _dmuon_owner: int
+    _dmuon_owner_rank: int
     _dmuon_rank: int
     _dmuon_shape: torch.Size
     _dmuon_resident: bool
@@ -87,13 +87,13 @@ class DedicatedParameter(nn.Parameter):
 
     def _describe(self) -> str:
         return (f"DedicatedParameter({self._dmuon_name}: shape {tuple(self._dmuon_shape)}, {self.dtype}, owned by "
-                f"rank {self._dmuon_owner}; rank {self._dmuon_rank} holds no copy between uses)")
+                f"rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy between uses)")
 
     def _refusal(self, operation: str) -> str:
         return (
-            f"{self._dmuon_name} is owned by rank {self._dmuon_owner}; rank {self._dmuon_rank} holds no copy of it "
+            f"{self._dmuon_name} is owned by rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy of it "
             f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
-            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner}"
+            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner_rank}"
         )
 
 
@@ -101,7 +101,7 @@ def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
     """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident."""
     shape = p.shape
     p.__class__ = DedicatedParameter
-    p._dmuon_name, p._dmuon_owner, p._dmuon_rank, p._dmuon_shape = name, owner, rank, shape
+    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, shape
     release(p)
 
 

@@ -78,14 +78,19 @@ def _options(options: StateDictOptions | None, cpu_offload: bool | None = None,
 
 
 def _kept(state: DMuonState, rank0_only: bool) -> bool:
-    return not rank0_only or state.rank == 0
+    return not rank0_only or dist.get_rank() == 0
 
 
 def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
-    """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (None elsewhere)."""
+    """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (ignored elsewhere).
+    With a replicate mesh the owner first sends it to the holders of the other replicas."""
     owner = state.owner_of(p)
-    buffer = (value.detach().clone() if owner == state.rank
+    buffer = (value.detach().clone() if state.runs_muon(p)
               else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
+    if state.replicas > 1 and state.owns(p):
+        with state.replicate_order.collective(f"the state dict's broadcast of {state.name_of[p]} from replica "
+                                              f"{p._dmuon_replica}"):
+            dist.broadcast(buffer, group=state.replicate_group, group_src=p._dmuon_replica)
     with state.order.collective(f"the state dict's broadcast of {state.name_of[p]} from rank {owner}"):
         dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
@@ -135,11 +140,12 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
     """
     state = state_of(model)
     options, rank0_only = _options(options, cpu_offload, rank0_only)
+    state.wait_published()
     result, fetched = {}, {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
         if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
             if id(value) not in fetched:
-                fetched[id(value)] = _full(state, value, value._dmuon_master if state.owns(value) else None)
+                fetched[id(value)] = _full(state, value, value._dmuon_master if state.runs_muon(value) else None)
             value = fetched[id(value)]
         result[name] = _out(value.detach(), options)
     return result if _kept(state, rank0_only) else {}
@@ -170,6 +176,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
     """
     options, _ = _options(options)
     state = state_of(model)
+    state.wait_published()  # or a publish still on its way would overwrite the loaded values
     targets = model.state_dict(keep_vars=True)  # the parameters themselves: no read of a placeholder
     missing = [k for k in targets if k not in model_state_dict]
     unexpected = [k for k in model_state_dict if k not in targets]
@@ -217,7 +224,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
     names = _names(model)
     result: dict[str, dict] = {}
     for name, p in state.params.items():
-        buf = optimizer._muon.state[p]["momentum_buffer"] if state.owns(p) else None
+        buf = optimizer._muon.state[p]["momentum_buffer"] if state.runs_muon(p) else None
         result[name] = {"momentum_buffer": _out(_full(state, p, buf), options)}
     for p in optimizer.adamw_group["params"]:
         result[names[p]] = {k: _out(v, options) for k, v in optimizer._adamw.state[p].items()}
@@ -249,7 +256,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
     if missing and options.strict:
         raise RuntimeError(f"optimizer state dict lacks the state of {missing}")
     for name, p in state.params.items():
-        if name in saved and state.owns(p):
+        if name in saved and state.runs_muon(p):
             _copy_into(optimizer._muon.state[p]["momentum_buffer"], saved[name]["momentum_buffer"])
     for p in optimizer.adamw_group["params"]:
         for key, target in optimizer._adamw.state[p].items():
@@ -309,21 +316,20 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float) -> to
             "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
             "which runs outside no_sync"
         )
-    grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
-    replicated = []
+    dedicated = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]  # on owners
+    shards, replicated = [], []
     for p in model.parameters() if model is not None else ():
         if not _is_dedicated(state, p) and p.grad is not None:
-            (grads if isinstance(p.grad, DTensor) else replicated).append(p.grad)
+            (shards if isinstance(p.grad, DTensor) else replicated).append(p.grad)
+    # Count each gradient once: a shard is the same in every replica, a plain gradient on every rank.
+    counted = dedicated + (shards if state.replica == 0 else []) + (replicated if dist.get_rank() == 0 else [])
     squares = torch.zeros((), dtype=torch.float32, device=state.mesh_device)
-    for g in grads:
+    for g in counted:
         squares += (g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
-    if state.rank == 0:  # a plain gradient is the same on every rank: count it once
-        for g in replicated:
-            squares += g.float().square().sum()
     with state.order.collective("clip_grad_norm_'s all-reduce of squared gradient norms"):
-        dist.all_reduce(squares, group=state.group)
+        dist.all_reduce(squares, group=state.everyone)
     total = squares.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads + replicated:
+    for g in dedicated + shards + replicated:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
     return total

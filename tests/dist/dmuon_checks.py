@@ -95,10 +95,27 @@ def window(step, rank, world):
     return mine, (x, y), total
 
 
-def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False):
+HSDP_MESH = []  # built once: (replicate, shard) = (2, world / 2)
+
+
+def hsdp_mesh(device_type):
+    if not HSDP_MESH:
+        HSDP_MESH.append(init_device_mesh(device_type, (2, dist.get_world_size() // 2),
+                                          mesh_dim_names=("replicate", "shard")))
+    return HSDP_MESH[0]
+
+
+def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False, hsdp=False,
+          replicate_async=True):
     torch.manual_seed(seed)
     model = Net(tied, checkpointed).to(mesh.device_type)
-    dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
+    if hsdp:  # FSDP2 shards on the shard axis and replicates across; dmuon holds one copy per replica
+        mesh2d = hsdp_mesh(mesh.device_type)
+        dmuon.dedicate_params(model, mesh2d["shard"], predicate, reshard_after_forward=zero3,
+                              replicate_mesh=mesh2d["replicate"])
+        mesh = mesh2d
+    else:
+        dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **policy)
@@ -107,7 +124,7 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
         for layer in model.layers:
             layer.compile(backend="aot_eager")
     opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"])
+                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"], replicate_async=replicate_async)
     return model, opt
 
 
@@ -138,12 +155,12 @@ def full_params(model):
     return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
 
 
-def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False):
+def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, hsdp=False):
     """Train dmuon and the single-process reference side by side; compare after every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     label = (f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}"
-             f"{'_tied' * tied}{'_checkpointed' * checkpointed}")
-    model, opt = build(mesh, zero3, tied=tied, checkpointed=checkpointed)
+             f"{'_tied' * tied}{'_checkpointed' * checkpointed}{'_hsdp' * hsdp}")
+    model, opt = build(mesh, zero3, tied=tied, checkpointed=checkpointed, hsdp=hsdp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     torch.manual_seed(0)
     ref = Net(tied)
@@ -568,6 +585,38 @@ def check_structure(mesh):
            released_by_step=all(per_rank(_storage_ok(model))))
 
 
+def check_hsdp_publish(mesh, directory):
+    """HSDP 2 x (W/2), Z3: the asynchronous and the synchronous publish give the same weights bit for
+    bit, and the public checkpoint flow (full state dicts) resumes bit-identically."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    models = {}
+    for replicate_async in (True, False):
+        model, opt = build(mesh, zero3=True, hsdp=True, replicate_async=replicate_async)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(2):
+            mine, _, total = window(step, rank, world)
+            train_window(model, opt, sched, mine, total, use_no_sync=True)
+        models[replicate_async] = (model, opt, sched)
+    a, b = full_params(models[True][0]), full_params(models[False][0])
+    between_schedules = max((a[n] - b[n]).abs().max().item() for n in a)
+
+    model, opt, sched = models[True]
+    saved = {"model": dmuon.get_model_state_dict(model, cpu_offload=True, rank0_only=False),
+             "optim": dmuon.get_optimizer_state_dict(model, opt, cpu_offload=True, rank0_only=False)}
+    fresh, fresh_opt = build(mesh, zero3=True, hsdp=True, seed=123)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+    fresh_sched.load_state_dict(sched.state_dict())
+    dmuon.set_model_state_dict(fresh, saved["model"])
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, saved["optim"])
+    mine, _, total = window(2, rank, world)
+    train_window(model, opt, sched, mine, total, use_no_sync=True)
+    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
+    a, b = full_params(model), full_params(fresh)
+    report("hsdp_publish", max_abs_diff_between_schedules=between_schedules,
+           max_abs_diff_after_resume=max((a[n] - b[n]).abs().max().item() for n in a),
+           owners=sorted(set(dmuon.ownership(model).values())))
+
+
 def check_state_dict(mesh, directory):
     """Save at step 2 (sharded state dicts, torch.distributed.checkpoint), load into a fresh model, continue."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -622,6 +671,10 @@ def main():
                 check_equivalence(mesh, zero3, use_no_sync=True, checkpointed=True)
                 check_mixed_precision(mesh, zero3)
         check_state_dict(mesh, directory)
+        if ranks.world_size == 4:  # HSDP as 2 x 2
+            for zero3 in (True, False):
+                check_equivalence(mesh, zero3, use_no_sync=True, hsdp=True)
+            check_hsdp_publish(mesh, directory)
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
