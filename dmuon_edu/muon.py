@@ -57,7 +57,10 @@ class Muon(torch.optim.Optimizer):
     Raises:
         TypeError: ``params`` is a set, a parameter is not real floating point, or a
             hyperparameter has the wrong type.
-        ValueError: a parameter is not 2-D, or a hyperparameter is out of range.
+        ValueError: a parameter is not 2-D, or a hyperparameter is out of range or not
+            finite. ``step()`` checks every group's hyperparameters again (a scheduler
+            or a hand edit may have changed them), and ``load_state_dict`` refuses a
+            momentum buffer holding NaN or Inf.
 
     Behaviour worth knowing:
 
@@ -146,8 +149,31 @@ class Muon(torch.optim.Optimizer):
         check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Checked before loading, so that a refused state leaves the optimizer as it was.
+        names = {
+            index: name
+            for group in state_dict["param_groups"]
+            for index, name in zip(group["params"], group.get("param_names", ()))
+        }
+        for index, state in state_dict["state"].items():
+            buffer = state.get("momentum_buffer")
+            if isinstance(buffer, torch.Tensor) and not bool(buffer.isfinite().all()):
+                name = f" ({names[index]})" if index in names else ""
+                raise ValueError(
+                    f"the momentum buffer of parameter {index}{name} in this state_dict holds NaN or Inf, so "
+                    "every later update of it would be NaN. Load a checkpoint from before the divergence, or "
+                    "leave the optimizer state out (momentum restarts from zero)"
+                )
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure=None):
+        for index, group in enumerate(self.param_groups):
+            try:  # again at every step: a scheduler or a hand edit may have changed them
+                check_hyperparameters(group)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"param group {index}: {error}") from None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -238,8 +264,16 @@ def _with_finite_grads(params: list[torch.Tensor], one_at_a_time: bool = False) 
 def check_hyperparameters(h: dict) -> None:
     """Raise TypeError or ValueError, naming the key, unless ``h`` holds valid Muon hyperparameters.
 
-    ``h`` maps lr, momentum, nesterov, weight_decay, adjust_lr_fn, ns_steps and ns_dtype
-    to values, as a Muon param group does.
+    Args:
+        h: maps lr, momentum, nesterov, weight_decay, adjust_lr_fn, ns_steps and ns_dtype
+            to values, as a Muon param group does (other keys are ignored).
+
+    Raises:
+        TypeError: a value has the wrong type (a number given as a string or a bool, a
+            float ``ns_steps``, a non-floating ``ns_dtype``).
+        ValueError: a number is NaN, infinite or out of range, or ``lr * weight_decay``
+            is 1 or more (the decay factor 1 - lr * weight_decay would zero or flip the
+            weights at every step).
     """
     def number(name):
         v = h[name]
@@ -247,12 +281,20 @@ def check_hyperparameters(h: dict) -> None:
             raise TypeError(f"{name} must be a number, got {type(v).__name__}")
         return v
 
-    if number("lr") < 0:
-        raise ValueError(f"lr must be >= 0, got {h['lr']}; pass a positive learning rate, e.g. 0.02")
+    # Each range is written "not (in range)": NaN fails every comparison, so it is refused too.
+    if not 0 <= number("lr") < math.inf:
+        raise ValueError(f"lr must be >= 0 and finite, got {h['lr']}; pass a positive learning rate, e.g. 0.02")
     if not 0 <= number("momentum") < 1:
         raise ValueError(f"momentum must be in [0, 1), got {h['momentum']}; 0.95 is the usual value")
-    if number("weight_decay") < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}; use 0 for none")
+    if not 0 <= number("weight_decay") < math.inf:
+        raise ValueError(
+            f"weight_decay must be >= 0 and finite, got {h['weight_decay']}; use 0 for none, 0.1 is a usual value"
+        )
+    if h["lr"] * h["weight_decay"] >= 1:
+        raise ValueError(
+            f"lr * weight_decay must be < 1, got {h['lr']} * {h['weight_decay']}: each step multiplies the "
+            "weights by 1 - lr * weight_decay. Lower one of them (lr 0.02 with weight_decay 0.1 is usual)"
+        )
     if not isinstance(h["nesterov"], bool):
         raise TypeError(f"nesterov must be True or False, got {type(h['nesterov']).__name__}")
     if not isinstance(h["adjust_lr_fn"], str):

@@ -53,6 +53,12 @@ def negative_adamw_lr_set_after_construction(mesh):
     optimizer.step()
 
 
+def nan_muon_lr_set_after_construction(mesh):
+    optimizer = dmuon.Muon(dedicated(mesh))
+    optimizer.muon_group["lr"] = float("nan")
+    optimizer.step()
+
+
 def optimizer_of_another_model(mesh):
     model, other = dedicated(mesh), dedicated(mesh)
     dmuon.get_optimizer_state_dict(model, dmuon.Muon(other))
@@ -127,6 +133,10 @@ CASES = [
     ("muon/1d_parameter", lambda: muon.Muon([nn.Parameter(torch.zeros(3))], lr=0.02), ValueError,
      "use muon_param_groups(model)"),
     ("muon/negative_lr", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=-1), ValueError, "pass a positive learning rate"),
+    ("muon/lr_nan", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=float("nan")), ValueError,
+     "lr must be >= 0 and finite, got nan; pass a positive learning rate, e.g. 0.02"),
+    ("muon/weight_decay_nan", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, weight_decay=float("nan")),
+     ValueError, "use 0 for none, 0.1 is a usual value"),
     ("muon/momentum_one", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, momentum=1.0), ValueError,
      "0.95 is the usual value"),
     ("muon/unknown_adjust_lr_fn", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, adjust_lr_fn="moon"),
@@ -171,6 +181,8 @@ CASES = [
     ("widgets/unknown_optimizer", lambda: widgets.lr_scaling_figure("adam", 4, lr=0.1, scale_loss=False), ValueError,
      "use one of sgd, momentum, adamw, muon"),
     ("dmuon.Muon/adamw_lr_negative_at_step", negative_adamw_lr_set_after_construction, ValueError, "1e-3 is the usual value"),
+    ("dmuon.Muon/muon_lr_nan_at_step", nan_muon_lr_set_after_construction, ValueError,
+     "lr must be >= 0 and finite, got nan; pass a positive learning rate, e.g. 0.02"),
     ("dmuon.imbalance/owner_outside_the_world", lambda: dmuon.imbalance({"a": 2}, {"a": (4, 4)}, 2), ValueError,
      "pass the world size the plan was made for"),
     ("dmuon.clip_grad_norm_/negative_max_norm", lambda mesh: dmuon.clip_grad_norm_(dedicated(mesh), -1.0), ValueError,

@@ -353,6 +353,13 @@ def test_parameters_without_grad_are_left_alone():
         ([nn.Parameter(torch.randn(8))], {}, ValueError, "1-D parameter belongs to AdamW.*muon_param_groups"),
         ([nn.Parameter(torch.randn(2, 3, 4))], {}, ValueError, "3-D parameter belongs to AdamW"),
         ([nn.Parameter(torch.randn(4, 4))], dict(lr=-0.1), ValueError, "lr must be >= 0"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(lr=float("nan")), ValueError, "lr must be >= 0 and finite.*e.g. 0.02"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(lr=float("inf")), ValueError, "lr must be >= 0 and finite.*e.g. 0.02"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(weight_decay=float("nan")), ValueError,
+         "weight_decay must be >= 0 and finite.*0.1 is a usual value"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(weight_decay=float("inf")), ValueError, "weight_decay must be >= 0 and finite"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(momentum=float("nan")), ValueError, "momentum must be in.*0.95 is the usual"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(lr=0.5, weight_decay=2.0), ValueError, r"lr \* weight_decay must be < 1"),
         ([nn.Parameter(torch.randn(4, 4))], dict(ns_steps=0), ValueError, "ns_steps must be >= 1"),
         ([nn.Parameter(torch.randn(4, 4))], dict(adjust_lr_fn="spectral"), ValueError, "unknown adjust_lr_fn"),
         ([nn.Parameter(torch.randn(4, 4))], dict(momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
@@ -379,6 +386,43 @@ def test_a_rejected_param_group_leaves_the_optimizer_unchanged():
     with pytest.raises(ValueError, match="lr must be >= 0"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], "lr": -1.0})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("lr", float("nan"), "lr must be >= 0 and finite"),
+    ("lr", -1.0, "lr must be >= 0"),
+    ("momentum", 1.0, r"momentum must be in \[0, 1\)"),
+    ("weight_decay", float("inf"), "weight_decay must be >= 0 and finite"),
+    ("ns_steps", 0, "ns_steps must be >= 1"),
+])
+def test_a_hyperparameter_changed_after_construction_is_refused_at_step(key, value, match):
+    good, changed = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    opt = Muon([{"params": [good]}, {"params": [changed]}], lr=0.02)
+    opt.param_groups[1][key] = value
+    before = [good.detach().clone(), changed.detach().clone()]
+    good.grad, changed.grad = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(ValueError, match="param group 1: " + match):
+        opt.step()
+    # Checked before any parameter steps: the well-set group has not moved either.
+    assert torch.equal(good, before[0]) and torch.equal(changed, before[1]) and not opt.state
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("named", [False, True])
+def test_a_state_dict_with_a_non_finite_momentum_buffer_is_refused(bad, named):
+    W0s, grads = random([(4, 4), (4, 8)], steps=1, seed=16)
+    params = [nn.Parameter(w.clone()) for w in W0s]
+    opt = Muon(list(zip(["up", "down"], params)) if named else params, lr=0.02)
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][1]["momentum_buffer"][2, 3] = bad
+
+    fresh = Muon(list(zip(["up", "down"], params)) if named else params, lr=0.02)
+    with pytest.raises(ValueError, match=r"momentum buffer of parameter 1 \(down\)" if named else "momentum buffer of parameter 1 "):
+        fresh.load_state_dict(saved)
+    assert not fresh.state  # refused before anything was loaded
 
 
 class TinyLM(nn.Module):
