@@ -50,10 +50,13 @@ bench: install
 	$(PY) benchmarks/run_all.py
 
 ## For whoever has a GPU: every CUDA-marked test and the GPU benchmark rows, under 8 minutes on one GPU.
-gpu-check: install
-	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make gpu-check needs a CUDA GPU, and torch " + torch.__version__ + " sees none. On a GPU machine install a CUDA build of torch first: make install CONSTRAINTS= (see the README, GPU check).")'
-	$(PY) -m pytest -q -m cuda tests
-	$(PY) benchmarks/run_all.py --gpu-only --out benchmarks/results-gpu.md
+## No install: the interpreter already there (GPU_PYTHON) needs torch, pytest and tqdm only.
+GPU_PYTHON ?= python3
+GPU_TESTS := tests/test_newton_schulz.py tests/test_muon.py tests/test_memory.py tests/test_gpt.py tests/test_dmuon.py
+gpu-check:
+	@PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make gpu-check needs a CUDA GPU, and torch " + torch.__version__ + " sees none (GPU_PYTHON=$(GPU_PYTHON)); name an interpreter with a CUDA build of torch: make gpu-check GPU_PYTHON=/path/to/python")'
+	PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m cuda $(GPU_TESTS)
+	PYTHONPATH="$(CURDIR)" $(GPU_PYTHON) benchmarks/run_all.py --gpu-only --out benchmarks/results-gpu.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

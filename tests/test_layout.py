@@ -5,6 +5,7 @@ library, imports run one way, down the floors listed in LIBRARY_FLOORS.
 """
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -87,6 +88,32 @@ sys.exit(1 if course or tools else 0)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(modules) >= 15, modules  # every library file was imported, not an empty list
+
+
+def test_make_gpu_check_collects_its_tests_and_benchmarks_with_torch_pytest_and_tqdm_alone():
+    # The GPU machine has its own torch, pytest and tqdm, and nothing else: make gpu-check installs
+    # nothing, so its test files and the benchmark runner must not need a course tool.
+    gpu_tests = re.search(r"^GPU_TESTS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    probe = f"""
+import importlib.abc, sys
+import pytest
+
+class CourseToolsAbsent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == tool or name.startswith(tool) for tool in {COURSE_ONLY_TOOLS!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)")
+        return None
+
+sys.meta_path.insert(0, CourseToolsAbsent())
+sys.path.insert(0, "benchmarks")
+import run_all
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda", *{gpu_tests!r}]))
+"""
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"[1-9]\d* tests? collected", result.stdout), result.stdout  # the cuda tests were found
 
 
 def test_library_imports_run_down_the_floors_and_never_up_into_the_course():

@@ -3,7 +3,7 @@
 The dmuon API, as the dmuon project's gradient-accumulation guide uses it, calls a plain
 ``fully_shard(layer, mesh=mesh)`` after ``dedicate_params``, without ``ignored_params``,
 yet FSDP2 must leave the dedicated parameters alone (their owner keeps them whole). ``fully_shard`` finds the parameters it will manage with one
-internal function,
+internal function (since torch 2.11; earlier releases collect them in two steps),
 
     torch.distributed.fsdp._fully_shard._fully_shard._get_modules_and_states(module, device, ignored_params)
 
@@ -68,7 +68,8 @@ def check_compatible():
     if problem:
         raise RuntimeError(
             f"dmuon cannot make fully_shard skip dedicated parameters with torch {torch.__version__}: "
-            f"{problem}. Update dmuon_edu/dmuon/fsdp_exclusion.py for this torch (or pin torch 2.13)."
+            f"{problem}. dmuon needs torch 2.11 or later (tested on 2.13); update dmuon_edu/dmuon/fsdp_exclusion.py "
+            "for this torch, or install a torch it supports."
         )
     return module
 
