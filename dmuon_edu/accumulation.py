@@ -24,6 +24,7 @@ one loss scale through the window and unscale once.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -66,7 +67,9 @@ def train_step_with_accumulation(
             that wraps one, e.g. to add autocast).
         optimizer: the optimizer to step. Its gradients are zeroed first.
         microbatches: a list of ``(inputs, targets)`` pairs; the first dimension of
-            ``targets`` counts the micro-batch's samples.
+            ``inputs`` counts the micro-batch's samples (so targets may broadcast), or
+            that of ``targets`` when ``inputs`` is not a tensor (a dict for a wrapped
+            model, say).
         loss_fn: ``loss_fn(predictions, targets)`` returning either a scalar *mean* loss
             (each micro-batch is weighted by its share of the window's samples), or a
             pair ``(sum_loss, num_items)``, e.g. summed over non-padding tokens (see
@@ -74,7 +77,8 @@ def train_step_with_accumulation(
             over the total count.
         max_grad_norm: if given, clip the window's gradient to this 2-norm once, after
             the last backward (and after unscaling, with a scaler).
-        scheduler: if given, stepped once, after the optimizer step.
+        scheduler: if given, stepped once, after the optimizer step; it must have been
+            built on ``optimizer``.
         scaler: an AMP ``torch.amp.GradScaler``: one loss scale for the whole window,
             ``unscale_`` once, then ``scaler.step`` and ``scaler.update`` once.
 
@@ -84,12 +88,16 @@ def train_step_with_accumulation(
 
     Raises:
         TypeError: ``loss_fn`` is not callable, ``microbatches`` is not a list of
-            ``(inputs, targets)`` pairs with tensor targets, or the optimizer is a
-            dmuon.Muon and the window needs clipping or an item-count correction (both
-            act on p.grad, where dmuon.Muon keeps no matrix gradient).
+            ``(inputs, targets)`` pairs whose batch size can be read, ``max_grad_norm``
+            is not a number, ``scheduler`` is not a torch LRScheduler (or is
+            ReduceLROnPlateau, which needs the loss), ``num_items`` is not a number, or
+            the optimizer is a dmuon.Muon and the window needs clipping or an
+            item-count correction (both act on p.grad, where dmuon.Muon keeps no matrix
+            gradient).
         ValueError: ``microbatches`` or one of them is empty, ``max_grad_norm`` is not
-            positive, ``loss_fn`` returns a non-scalar or mixes means and pairs, or a
-            window of summed losses counts no item.
+            positive, ``scheduler`` was built on another optimizer, ``loss_fn`` returns
+            a non-scalar, mixes means and pairs, or counts a fractional or negative
+            number of items, or a window of summed losses counts no item.
         RuntimeError: ``scaler`` has already unscaled or stepped this optimizer since
             its last ``update()``.
     """
@@ -105,6 +113,8 @@ def train_step_with_accumulation(
             "on its owner: clip with dmuon.clip_grad_norm_(model, max_norm) after the window's last backward, "
             "in the loop of dmuon's accumulation guide (micro-batches inside dmuon.no_sync, then step)"
         )
+    if scheduler is not None:
+        _require_scheduler_of(optimizer, scheduler)
     if scaler is not None:
         _require_fresh_scaler_window(scaler, optimizer)
     sample_counts = _sample_counts(microbatches)
@@ -160,9 +170,7 @@ class _Window:
         if len(loss_output) != 2:
             raise ValueError(f"loss_fn returned a {len(loss_output)}-tuple; return (sum_loss, num_items)")
         loss_sum = _scalar(loss_output[0], "the sum_loss of loss_fn's (sum_loss, num_items)")
-        count = int(loss_output[1])
-        if count < 0:
-            raise ValueError(f"num_items must be >= 0, got {count}")
+        count = _item_count(loss_output[1])
         if self.provisional_total is None:
             self.provisional_total = max(count, 1) * self.n_microbatches
         self.loss_total += loss_sum.item()
@@ -240,9 +248,17 @@ def require_accum_steps(accum_steps) -> None:
 
 
 def require_max_grad_norm(max_grad_norm) -> None:
-    """Raise ValueError unless ``max_grad_norm`` is positive or None (no clipping)."""
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}")
+    """Raise TypeError or ValueError unless ``max_grad_norm`` is a positive number or None (no clipping)."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+        raise TypeError(
+            f"max_grad_norm must be a number (or None for no clipping), got {type(max_grad_norm).__name__}; "
+            "1.0 is a usual value"
+        )
+    if not max_grad_norm > 0:  # 0 would zero every gradient; NaN fails the comparison too
+        raise ValueError(f"max_grad_norm must be positive (or None for no clipping), got {max_grad_norm}; "
+                         "1.0 is a usual value")
 
 
 def _windows(batches: Iterator, accum_steps: int) -> Iterator[list]:
@@ -314,6 +330,42 @@ def _require_fresh_scaler_window(scaler: torch.amp.GradScaler, optimizer: torch.
         )
 
 
+def _require_scheduler_of(optimizer: torch.optim.Optimizer, scheduler) -> None:
+    # Checked before any backward: a scheduler that fails at its step() would do so
+    # after the weights had moved.
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            f"scheduler must be a torch.optim.lr_scheduler.LRScheduler, got {type(scheduler).__name__}; "
+            "build one on the optimizer, e.g. LambdaLR(optimizer, lambda step: ...)"
+        )
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a metric, which train_step_with_accumulation cannot know: leave scheduler "
+            "out and call scheduler.step(loss) yourself with the loss it returns"
+        )
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(
+            f"the scheduler was built on another optimizer ({type(scheduler.optimizer).__name__}), so stepping it "
+            "would change that one's learning rate, not this one's: build the scheduler on the optimizer you pass"
+        )
+
+
+def _item_count(num_items) -> int:
+    """The ``num_items`` of a ``(sum_loss, num_items)`` pair as an int >= 0: a whole number, maybe a tensor."""
+    value = num_items.item() if isinstance(num_items, torch.Tensor) and num_items.numel() == 1 else num_items
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"num_items must be a number (an int or a one-element tensor), got {_describe(num_items)}; "
+            "return (sum_loss, number of items summed)"
+        )
+    if not float(value).is_integer() or value < 0:
+        raise ValueError(
+            f"num_items must be a whole number >= 0, got {value}: it counts the items sum_loss adds up, "
+            "e.g. int((targets != IGNORE_INDEX).sum()); to weight items, weight the sum, not the count"
+        )
+    return int(value)
+
+
 def _gradients_outside_grad(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer is a dmuon.Muon, whose matrices' gradients are not in p.grad (duck-typed:
     this module sits below dmuon)."""
@@ -348,15 +400,17 @@ def _sample_counts(microbatches: Sequence[Microbatch]) -> list[int]:
                 f"microbatch {index} must be an (inputs, targets) pair, got {_describe(microbatch)}; "
                 "build the list as [(x0, y0), (x1, y1), ...]"
             )
-        targets = microbatch[1]
-        if not isinstance(targets, torch.Tensor) or targets.dim() == 0:
+        # The inputs count the samples: targets may broadcast (one row for the whole batch).
+        inputs, targets = microbatch
+        batched, name = (inputs, "inputs") if isinstance(inputs, torch.Tensor) else (targets, "targets")
+        if not isinstance(batched, torch.Tensor) or batched.dim() == 0:
             raise TypeError(
-                f"the targets of microbatch {index} must be a tensor with a batch dimension, "
-                f"got {_describe(targets)}"
+                f"the {name} of microbatch {index} must be a tensor with a batch dimension, "
+                f"got {_describe(batched)}; its first dimension counts the samples"
             )
-        if targets.shape[0] == 0:
+        if batched.shape[0] == 0:
             raise ValueError(f"microbatch {index} is empty: drop it, or give it at least one sample")
-        counts.append(targets.shape[0])
+        counts.append(batched.shape[0])
     return counts
 
 

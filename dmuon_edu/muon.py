@@ -57,10 +57,10 @@ class Muon(torch.optim.Optimizer):
     Raises:
         TypeError: ``params`` is a set, a parameter is not real floating point, or a
             hyperparameter has the wrong type.
-        ValueError: a parameter is not 2-D, or a hyperparameter is out of range or not
-            finite. ``step()`` checks every group's hyperparameters again (a scheduler
-            or a hand edit may have changed them), and ``load_state_dict`` refuses a
-            momentum buffer holding NaN or Inf.
+        ValueError: a parameter is not 2-D or appears twice, or a hyperparameter is out
+            of range or not finite. ``step()`` checks every group's hyperparameters
+            again (a scheduler or a hand edit may have changed them), and
+            ``load_state_dict`` refuses a momentum buffer holding NaN or Inf.
 
     Behaviour worth knowing:
 
@@ -135,9 +135,18 @@ class Muon(torch.optim.Optimizer):
         if isinstance(params, set):
             raise TypeError("params must be a list, not a set: state_dict relies on their order")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
+        first_index = {}
+        for index, p in enumerate(params):
+            if isinstance(p, tuple) and len(p) == 2:
+                p = p[1]  # torch.optim.Optimizer takes (name, parameter) pairs, as from named_parameters()
             if not isinstance(p, torch.Tensor):
                 continue  # torch.optim.Optimizer raises the TypeError
+            if id(p) in first_index:
+                raise ValueError(
+                    f"parameter {index} of the group is parameter {first_index[id(p)]} again; Muon would step "
+                    "it twice per step. Pass each parameter once (model.parameters() does)"
+                )
+            first_index[id(p)] = index
             if not p.is_floating_point():
                 raise TypeError(f"Muon takes real floating-point parameters, got dtype {p.dtype}")
             if p.ndim != 2:

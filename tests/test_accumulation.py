@@ -77,6 +77,22 @@ def test_unequal_sizes_really_differ_from_one_over_n_weighting():
     assert max_parameter_difference(per_count, full) > 1e-2
 
 
+def test_broadcast_targets_weight_each_micro_batch_by_its_inputs():
+    # One target row for every sample (a regression towards a fixed point): each micro-batch's
+    # targets have one row, whatever its size, so a weight read from them would give the
+    # micro-batches of 1 and of 7 samples the same share.
+    sizes = [1, 7, 3, 5]
+    reference, accumulated = make_model(), make_model()
+    reference_opt, accumulated_opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(accumulated.parameters(), lr=0.1)
+    x, target = torch.randn(sum(sizes), 6), torch.randn(1, 3)
+    broadcast_mse = lambda out, y: (out - y).square().mean()  # noqa: E731  (F.mse_loss warns on broadcasting)
+    expected_loss = full_batch_step(reference, reference_opt, x, target.expand(sum(sizes), 3))
+    loss = train_step_with_accumulation(accumulated, accumulated_opt, [(xb, target) for xb in x.split(sizes)], broadcast_mse)
+    assert loss == pytest.approx(expected_loss, rel=LOSS_RTOL)
+    for p, q in zip(accumulated.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=PARAMETER_ATOL, rtol=0)
+
+
 def test_zero_grad_once_per_window_discards_stale_gradients():
     model, reference = make_model(), make_model()
     opt, reference_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -112,7 +128,7 @@ def _setup():
         ([torch.randn(2, 6)], F.mse_loss, TypeError, r"\(inputs, targets\) pair"),
         ([(torch.randn(2, 6),)], F.mse_loss, TypeError, r"\(inputs, targets\) pair"),
         (torch.randn(4, 6), F.mse_loss, TypeError, "list of"),
-        ([(torch.randn(2, 6), 3.0)], F.mse_loss, TypeError, "batch dimension"),
+        ([(torch.tensor(3.0), torch.randn(2, 3))], F.mse_loss, TypeError, "inputs of microbatch 0 must be a tensor with a batch dimension"),
         ([(torch.randn(0, 6), torch.randn(0, 3))], F.mse_loss, ValueError, "empty"),
         (
             [(torch.randn(2, 6), torch.randn(2, 3))],
@@ -121,7 +137,7 @@ def _setup():
             "scalar",
         ),
     ],
-    ids=["empty", "loss_fn", "not_pair", "one_element", "tensor", "targets", "empty_microbatch", "not_scalar"],
+    ids=["empty", "loss_fn", "not_pair", "one_element", "tensor", "inputs", "empty_microbatch", "not_scalar"],
 )
 def test_bad_input_is_refused_with_a_clear_error(microbatches, loss_fn, error, message):
     model, optimizer = _setup()

@@ -100,6 +100,7 @@ def half_written_checkpoint(tmp_path):
 
 
 X = torch.randn(3, 2)
+DUPLICATED = nn.Parameter(torch.zeros(3, 3))
 
 # id, call (taking the fixtures it names), error type, a fragment of the message that says what to do
 CASES = [
@@ -110,6 +111,11 @@ CASES = [
     ("train_step/microbatch_not_a_pair", lambda: linear_step([(X,)]), TypeError, "build the list as [(x0, y0), (x1, y1), ...]"),
     ("train_step/empty_microbatch", lambda: linear_step([(X[:0], X[:0])]), ValueError, "drop it, or give it at least one sample"),
     ("train_step/max_grad_norm_zero", lambda: linear_step([(X, X)], max_grad_norm=0), ValueError, "or None for no clipping"),
+    ("train_step/scheduler_of_another_optimizer", lambda: linear_step([(X, X)], scheduler=torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), lambda step: 1.0)), ValueError,
+     "build the scheduler on the optimizer you pass"),
+    ("train_step/fractional_item_count", lambda: lm_step(lambda p, t: ((p - t).square().sum(), 2.5)), ValueError,
+     "num_items must be a whole number >= 0, got 2.5"),
     ("train_step/loss_fn_returns_per_sample_losses", lambda: lm_step(lambda p, t: (p - t).square()), ValueError,
      "use reduction='mean'"),
     ("train_step/loss_fn_returns_a_triple", lambda: lm_step(lambda p, t: ((p - t).square().sum(), 3, 0)), ValueError,
@@ -141,6 +147,8 @@ CASES = [
      "0.95 is the usual value"),
     ("muon/unknown_adjust_lr_fn", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, adjust_lr_fn="moon"),
      ValueError, "use one of"),
+    ("muon/duplicated_parameter", lambda: muon.Muon([DUPLICATED, DUPLICATED], lr=0.02), ValueError,
+     "Pass each parameter once"),
     ("muon/params_a_set", lambda: muon.Muon({nn.Parameter(torch.zeros(3, 3))}, lr=0.02), TypeError,
      "must be a list, not a set"),
     ("muon/param_group_params_a_set", lambda: muon.Muon([{"params": {nn.Parameter(torch.zeros(3, 3))}}], lr=0.02),
@@ -157,9 +165,22 @@ CASES = [
      "floating-point torch.Tensors"),
     # data
     ("MarkovSource.random/vocab_size_one", lambda: MarkovSource.random(1), ValueError, "an int >= 2"),
+    ("MarkovSource/negative_entry", lambda: MarkovSource(torch.tensor([[0.5, 0.5], [1.5, -0.5]])), ValueError,
+     "row 1 of transition holds a NaN, infinite or negative entry"),
+    ("MarkovSource/nan_row", lambda: MarkovSource(torch.tensor([[0.5, 0.5], [float("nan"), 1.0]])), ValueError,
+     "every row must be a probability distribution"),
+    ("MarkovSource/row_sum_not_one", lambda: MarkovSource(torch.tensor([[0.5, 0.6], [0.5, 0.5]])), ValueError,
+     "divide each row by its sum"),
+    ("MarkovSource/integer_matrix", lambda: MarkovSource(torch.eye(2, dtype=torch.long)), TypeError,
+     "transition must be a floating-point tensor"),
+    ("MarkovSource/not_square", lambda: MarkovSource(torch.full((2, 3), 1 / 3)), ValueError, "a square V x V matrix"),
+    ("MarkovSource.random/infinite_sharpness", lambda: MarkovSource.random(4, sharpness=float("inf")), ValueError,
+     "sharpness must be >= 0 and finite"),
     ("MarkovSource.sample/length_zero", lambda: MarkovSource.random(4).sample(2, 0, torch.Generator()), ValueError, "an int >= 1"),
     ("lm_batch/one_token_sequence", lambda: lm_batch([torch.tensor([3])]), ValueError, "each at least 2 tokens long"),
     ("lm_batch/lists_not_tensors", lambda: lm_batch([[1, 2, 3]]), TypeError, "1-D integer token tensors"),
+    ("lm_batch/negative_token", lambda: lm_batch([torch.tensor([1, 2, 3]), torch.tensor([4, -100, 5])]), ValueError,
+     "sequence 1 holds the negative token id -100; token ids must be >= 0"),
     ("lm_batch/float_tokens", lambda: lm_batch([torch.tensor([1.5, 2.0])]), TypeError, "integer token tensors"),
     # launcher, distributed, checks, widgets, checkpoint
     ("torchrun/missing_script", not_a_script, FileNotFoundError, "pass the path of a .py file"),
@@ -178,6 +199,8 @@ CASES = [
     ("widgets/accum_steps_zero", lambda: widgets.lr_scaling_figure("sgd", 0, lr=0.1, scale_loss=False), ValueError,
      "between 1 and"),
     ("widgets/widget_accum_steps_too_large", lambda: widgets.LrScalingWidget(accum_steps=100), ValueError, "between 1 and"),
+    ("widgets/scale_loss_a_string", lambda: widgets.lr_scaling_figure("sgd", 4, lr=0.1, scale_loss="no"), TypeError,
+     "scale_loss must be True or False, got 'no'"),
     ("widgets/unknown_optimizer", lambda: widgets.lr_scaling_figure("adam", 4, lr=0.1, scale_loss=False), ValueError,
      "use one of sgd, momentum, adamw, muon"),
     ("dmuon.Muon/adamw_lr_negative_at_step", negative_adamw_lr_set_after_construction, ValueError, "1e-3 is the usual value"),

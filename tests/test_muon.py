@@ -347,6 +347,9 @@ def test_parameters_without_grad_are_left_alone():
     assert torch.equal(b, before) and b not in opt.state
 
 
+DUPLICATED = nn.Parameter(torch.randn(4, 4))
+
+
 @pytest.mark.parametrize(
     "params, kwargs, error, match",
     [
@@ -370,6 +373,9 @@ def test_parameters_without_grad_are_left_alone():
         ([nn.Parameter(torch.randn(4, 4))], dict(adjust_lr_fn=None), TypeError, "adjust_lr_fn must be a string"),
         ([nn.Parameter(torch.randn(4, 4))], dict(ns_dtype=torch.int32), TypeError, "ns_dtype"),
         (["not a tensor"], {}, TypeError, "Tensor"),
+        ([DUPLICATED] * 2, {}, ValueError, "parameter 1 of the group is parameter 0 again; Muon would step it twice"),
+        ([("a", DUPLICATED), ("b", DUPLICATED)], {}, ValueError, "parameter 1 of the group is parameter 0 again"),
+        (list(nn.Linear(4, 4).named_parameters()), {}, ValueError, "1-D parameter belongs to AdamW"),
         ([{"params": {nn.Parameter(torch.randn(4, 4))}}], {}, TypeError, "not a set"),
         ([nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))], {}, TypeError, "real floating-point"),
     ],

@@ -88,11 +88,17 @@ def test_invariance_breaks_where_the_notebook_says():
         (("sgd", 4), {"eps": 1e-8}, TypeError, "'sgd' does not take the hyperparameters"),
         (("sgd", 4), {"max_grad_norm": 0.0}, ValueError, "max_grad_norm must be positive"),
         (("sgd", 4), {"lr": 0.0}, ValueError, "lr must be > 0"),
+        (("sgd", 4), {"scale_loss": "no"}, TypeError, "scale_loss must be True or False, got 'no'"),  # "no" is truthy
     ],
 )
 def test_bad_arguments_are_refused(args, kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
         pitfalls.effective_lr_multiplier(*args, **kwargs)
+
+
+def test_training_curve_refuses_a_scale_loss_that_is_not_a_bool():
+    with pytest.raises(TypeError, match=re.escape("scale_loss must be True or False, got 'no'")):
+        pitfalls.training_curve("sgd", 4, scale_loss="no", steps=2)
 
 
 def test_training_curve_with_a_scaled_loss_does_not_depend_on_n():

@@ -160,6 +160,34 @@ def test_mixing_mean_and_summed_losses_is_refused():
         train_step_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(2), lambda out, y: next(outputs))
 
 
+@pytest.mark.parametrize("count, error, match", [
+    (2.5, ValueError, "num_items must be a whole number >= 0, got 2.5"),
+    (torch.tensor(2.5), ValueError, "num_items must be a whole number >= 0, got 2.5"),
+    (float("nan"), ValueError, "num_items must be a whole number >= 0, got nan"),
+    (-1, ValueError, "num_items must be a whole number >= 0, got -1"),
+    ("3", TypeError, "num_items must be a number"),
+    (torch.tensor([1, 2]), TypeError, r"num_items must be a number .* got a tensor of shape \(2,\)"),
+])
+def test_an_item_count_that_is_not_a_whole_number_is_refused(count, error, match):
+    # int() used to truncate 2.5 to 2, silently reweighting the window.
+    model = make_mlp()
+    with pytest.raises(error, match=match):
+        train_step_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(2),
+                                     lambda out, y: (F.mse_loss(out, y, reduction="sum"), count))
+
+
+def test_a_whole_item_count_may_be_a_float_or_a_tensor():
+    # (targets != -100).float().sum() is a float tensor; the count it holds is whole.
+    data = batches(2)
+    counted = {}
+    for name, count in [("int", 12), ("float", 12.0), ("float tensor", torch.tensor(12.0)), ("long tensor", torch.tensor(12))]:
+        model = make_mlp()
+        train_step_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                                     lambda out, y: (F.mse_loss(out, y, reduction="sum"), count))
+        counted[name] = model
+    assert all(max_parameter_difference(m, counted["int"]) == 0 for m in counted.values())
+
+
 # --- clipping and schedulers ----------------------------------------------------------------
 
 
@@ -184,11 +212,40 @@ def test_clipping_each_micro_batch_would_differ():
     assert max_parameter_difference(clipped_once, clipped_each) > 1e-4  # measured 1.3e-3; rounding is < 1e-6
 
 
-@pytest.mark.parametrize("max_grad_norm", [0, -1.0])
-def test_non_positive_max_grad_norm_is_refused(max_grad_norm):
+@pytest.mark.parametrize("max_grad_norm, error, match", [
+    (0, ValueError, "max_grad_norm must be positive"),  # clipping to 0 would zero every gradient
+    (-1.0, ValueError, "max_grad_norm must be positive"),
+    (float("nan"), ValueError, "max_grad_norm must be positive"),
+    (True, TypeError, "max_grad_norm must be a number"),  # True > 0, and would clip to 1.0
+    ("1.0", TypeError, "max_grad_norm must be a number"),
+])
+def test_a_max_grad_norm_that_is_not_a_positive_number_is_refused(max_grad_norm, error, match):
     model = make_mlp()
-    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+    with pytest.raises(error, match=match):
         train_step_with_accumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(2), F.mse_loss, max_grad_norm=max_grad_norm)
+
+
+def _scheduler_of_another_optimizer(optimizer):
+    other = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    return torch.optim.lr_scheduler.LambdaLR(other, lambda step: 0.5**step)
+
+
+@pytest.mark.parametrize("make_scheduler, error, match", [
+    (_scheduler_of_another_optimizer, ValueError, "the scheduler was built on another optimizer"),
+    (lambda optimizer: "cosine", TypeError, "scheduler must be a torch.optim.lr_scheduler.LRScheduler, got str"),
+    (lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), TypeError,
+     r"call scheduler.step\(loss\) yourself"),
+], ids=["another_optimizer", "a_string", "reduce_on_plateau"])
+def test_a_bad_scheduler_is_refused_before_the_weights_move(make_scheduler, error, match):
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = make_scheduler(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        train_step_with_accumulation(model, optimizer, batches(2), F.mse_loss, scheduler=scheduler)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        assert scheduler.optimizer.param_groups[0]["lr"] == 0.1  # the other optimizer's schedule did not advance
 
 
 def test_scheduler_steps_once_per_optimizer_step():

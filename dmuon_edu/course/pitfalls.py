@@ -277,6 +277,7 @@ def effective_lr_multiplier(
     """
     _require_optimizer_name(optimizer)
     require_accum_steps(accum_steps)
+    _require_flag("scale_loss", scale_loss)
     require_max_grad_norm(max_grad_norm)
     if "lr" in hyper and not hyper["lr"] > 0:
         raise ValueError(f"lr must be > 0, got {hyper['lr']}: the multiplier is a ratio of update sizes, and lr = 0 moves nothing")
@@ -301,6 +302,7 @@ def training_curve(
     """
     _require_optimizer_name(optimizer)
     require_accum_steps(accum_steps)
+    _require_flag("scale_loss", scale_loss)
     if accum_steps > batch_size:
         raise ValueError(
             f"cannot split a batch of {batch_size} samples into {accum_steps} micro-batches; "
@@ -350,6 +352,12 @@ def _regression_data(n_samples: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     teacher = torch.randn(IN_FEATURES, OUT_FEATURES, generator=torch.Generator().manual_seed(12345))
     inputs = torch.randn(n_samples, IN_FEATURES, generator=torch.Generator().manual_seed(seed))
     return inputs, torch.sin(inputs @ teacher / math.sqrt(IN_FEATURES))
+
+
+def _require_flag(name: str, value) -> None:
+    # A string such as "no" is truthy: taken as a flag it would silently mean True.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _require_optimizer_name(name) -> None:
