@@ -41,6 +41,14 @@ def dedicated(mesh, shard=True):
     return model
 
 
+def nan_momentum_loaded_into_dmuon(mesh):
+    model = dedicated(mesh)
+    opt = dmuon.Muon(model)
+    saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    saved["state"]["layers.0.up_proj.weight"]["momentum_buffer"][0, 0] = float("nan")
+    dmuon.set_optimizer_state_dict(model, opt, saved)
+
+
 def sharded_then_dedicated(mesh):
     model = Tiny()
     fully_shard(model, mesh=mesh)
@@ -210,6 +218,10 @@ CASES = [
      "pass the world size the plan was made for"),
     ("dmuon.clip_grad_norm_/negative_max_norm", lambda mesh: dmuon.clip_grad_norm_(dedicated(mesh), -1.0), ValueError,
      "a negative one would flip every gradient"),
+    ("dmuon.clip_grad_norm_/zero_max_norm", lambda mesh: dmuon.clip_grad_norm_(dedicated(mesh), 0.0), ValueError,
+     "0 would zero every gradient"),
+    ("dmuon.set_optimizer_state_dict/nan_momentum", nan_momentum_loaded_into_dmuon, ValueError,
+     "the momentum buffer of layers.0.up_proj.weight in this optimizer state dict holds NaN or Inf"),
     ("checkpoint.load/missing_directory", lambda tmp_path: checkpoint.load({}, tmp_path / "nope"), FileNotFoundError,
      "pass the directory that checkpoint.save wrote"),
     ("checkpoint.load/half_written", half_written_checkpoint, checkpoint.IncompleteCheckpointError,

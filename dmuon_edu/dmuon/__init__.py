@@ -36,6 +36,14 @@ per optimizer step, the first k-1 inside no_sync):
   if any gradient on any rank holds NaN or Inf, every rank skips the step (optim.py).
   Non-owner copies are dropped: the next forward's broadcast publishes the new values.
 
+HSDP (``dedicate_params(model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"])``
+on a 2-D mesh, fully_shard on the 2-D mesh): one owner per matrix, planned over every
+rank; in each replica the rank at the owner's shard index holds the matrix and does the
+above within its replica; gradients are then averaged across replicas to the owner, and
+after the step the owner publishes the result to the other replicas' holders (issued at
+the end of step(), waited at the next forward with ``dmuon.Muon(...,
+replicate_async=True)``, the default).
+
 Same order on every rank. A collective pairs the n-th call of every rank, so every
 rank must run the same dedicated layers in the same order. Before each collective and
 each forward of a layer with dedicated matrices, each rank checks through the process

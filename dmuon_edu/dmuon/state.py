@@ -255,6 +255,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
     missing = [n for n in expected if n not in saved]
     if missing and options.strict:
         raise RuntimeError(f"optimizer state dict lacks the state of {missing}")
+    for name in state.params:  # full tensors, the same on every rank: every rank refuses alike, before any copy
+        buffer = saved.get(name, {}).get("momentum_buffer")
+        if isinstance(buffer, torch.Tensor) and not bool(buffer.isfinite().all()):
+            raise ValueError(
+                f"the momentum buffer of {name} in this optimizer state dict holds NaN or Inf, so every later update "
+                "of it would be NaN. Load a checkpoint from before the divergence, or leave the optimizer state out "
+                "(momentum restarts from zero)"
+            )
     for name, p in state.params.items():
         if name in saved and state.runs_muon(p):
             _copy_into(optimizer._muon.state[p]["momentum_buffer"], saved[name]["momentum_buffer"])
@@ -292,19 +300,22 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float) -> to
 
     Args:
         model_or_optimizer: a model prepared with ``dedicate_params``, or its dmuon.Muon.
-        max_norm: the largest allowed global norm, a number >= 0.
+        max_norm: the largest allowed global norm, a finite number > 0.
 
     Returns:
         The global norm before clipping, a scalar float32 tensor (the same on every rank).
 
     Raises:
-        ValueError: ``max_norm`` is negative or not a number, or the model has no
+        ValueError: ``max_norm`` is not a finite number > 0, or the model has no
             dedicated parameters.
         TypeError: neither a model nor a dmuon.Muon was given.
         RuntimeError: called inside no_sync, or with gradients not reduced yet.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}; a negative one would flip every gradient")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):
+        raise ValueError(
+            f"max_norm must be a finite number > 0, got {max_norm!r}: 0 would zero every gradient and a negative "
+            "one would flip every gradient; 1.0 is the usual value"
+        )
     if isinstance(model_or_optimizer, Muon):
         state, model = model_or_optimizer._dmuon, None
     elif isinstance(model_or_optimizer, nn.Module):
