@@ -150,8 +150,12 @@ def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
 
 def train(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], microbatches, accum_steps: int, *,
           no_sync: Callable | None = None, progress: bool = False) -> tuple[list[float], list[float], int]:
-    """The accumulation guide's loop over ``microbatches``; returns (loss per step, seconds per step, peak bytes of the last step).
+    """The accumulation guide's loop over ``microbatches``, corrected where the guide drops data; returns
+    (loss per step, seconds per step, peak bytes of the last step).
 
+    The guide steps only after each full window of ``accum_steps``, so micro-batches after
+    the last full window are never stepped; here ``accumulation_windows`` keeps that short
+    window and steps it, each loss divided by its own window's length.
     ``no_sync(model)`` wraps every micro-batch but the last of a window (dmuon.no_sync;
     None on one process, where there is nothing to hold back). A step's loss is the
     mean of its micro-batches' losses.

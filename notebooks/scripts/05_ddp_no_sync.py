@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, Traffic, report
 
 
 def accumulate_window(ddp_model, optimizer, microbatches, loss_fn):
@@ -41,7 +41,8 @@ def forward_outside_no_sync(ddp_model, optimizer, microbatches, loss_fn):
     optimizer.step()
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Train with accumulate_window, and with the wrong placement beside it; grade accumulate_window."""
     problem = Problem()
     rows, differences = {}, {}
     for label, window_step in [("no_sync around forward+backward", accumulate_window),
@@ -56,10 +57,21 @@ with distributed.session() as ranks:
                 differences[label].append(max_parameter_difference(model.module.parameters(), expected))
         steps = problem.n_windows
         rows[f"all_reduce, {label}"] = (counts.calls["all_reduce"] // steps, counts.bytes["all_reduce"] // steps)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     distributed.print0(f"{problem.accum_steps} micro-batches per optimizer step, {ranks.world_size} ranks")
-    report(
+    return report(
         "05_ddp_no_sync",
         differences["no_sync around forward+backward"],
         rows,
         hint="run forward and backward of every micro-batch but the last inside ddp_model.no_sync()",
+        # The model's 285 KB of gradients fit DDP's first bucket (1 MiB): one all_reduce per backward that syncs.
+        traffic=(Traffic("all_reduce, no_sync around forward+backward", 1, gradient_bytes,
+                         "DDP all-reduced in more than the window's last backward. It decides in the forward "
+                         "whether the backward syncs, so run forward and backward of every micro-batch but the "
+                         "last inside ddp_model.no_sync(), the last outside it, then step"),),
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

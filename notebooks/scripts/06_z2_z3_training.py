@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.data_parallel import Traffic, report
 from dmuon_edu.course.dmuon_problem import (
     ADAMW_LR,
     MUON_HYPERPARAMETERS,
@@ -46,8 +46,8 @@ from dmuon_edu.course.dmuon_problem import (
 def train(model, optimizer, dataloader, accum_steps, no_sync=dmuon.no_sync):
     """The accumulation guide's loop over the micro-batches of ``dataloader``; return the loss of each optimizer step.
 
-    A step's loss is its last micro-batch's, times accum_steps (as the seed prints it).
-    Call ``no_sync(model)`` where the seed calls ``dmuon.no_sync(model)``: the script
+    A step's loss is its last micro-batch's, times accum_steps (as the guide prints it).
+    Call ``no_sync(model)`` where the guide calls ``dmuon.no_sync(model)``: the script
     also passes a no_sync that does nothing, to measure what no_sync saves.
     """
     losses = []
@@ -88,7 +88,8 @@ def sync_every_micro_batch(model):
     return nullcontext()
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Run train under Z2 and Z3, with and without no_sync, then the guide's loop; grade train."""
     problem = Problem()
     k = problem.accum_steps
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
@@ -120,12 +121,27 @@ with distributed.session() as ranks:
     seed_losses = train(model, optimizer, dataloader, k)
     distributed.print0(f"the accumulation guide's loop on {ranks.world_size} ranks, Z3, {k} micro-batches per optimizer step:")
     for step, loss in enumerate(seed_losses, start=1):
-        # The seed prints .4f; bf16 Newton-Schulz rounds differently in those last digits on other CPUs.
+        # The guide prints .4f; bf16 Newton-Schulz rounds differently in those last digits on other CPUs.
         distributed.print0(f"  step {step}: loss={loss:.2f}")
 
     distributed.print0(f"Z2 and Z3, with and without no_sync, against the single-process step "
                        f"(P_M = {p_m} bytes, k = {k}):")
-    report(
+    traffic = []
+    for zero3 in (True, False):
+        mode = "Z3" if zero3 else "Z2"
+        broadcast = 2 * k * p_m if zero3 else p_m  # Z3: before each forward and each backward; Z2: once
+        for label, reduced in (("no_sync", p_m), ("no no_sync", k * p_m)):
+            traffic += [
+                Traffic(f"reduce, {mode}, {label}", None, reduced,
+                        "train reduced a different number of times than its no_sync allows: run forward and "
+                        "backward of every micro-batch but the window's last inside the no_sync(model) it is "
+                        "given, the last outside it"),
+                Traffic(f"broadcast, {mode}, {label}", None, broadcast,
+                        "the matrices were broadcast more often than once per window (Z2) or twice per "
+                        "micro-batch (Z3): call optimizer.step() and zero_grad() once per window, after its last "
+                        "micro-batch; each step releases the copies, so the next forward broadcasts again"),
+            ]
+    return report(
         "06_z2_z3_training",
         [max(step) for step in zip(*differences)],
         rows,
@@ -135,4 +151,10 @@ with distributed.session() as ranks:
         measurements={"P_M": p_m, "k": k, "world size": ranks.world_size,
                       "dedicated bytes held during a forward, at most": held_during_forward,
                       "guide loop losses": seed_losses},
+        traffic=tuple(traffic),
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, Traffic, report
 
 
 def average_gradients(model):
@@ -29,24 +29,41 @@ def average_gradients(model):
     ### END SOLUTION
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Train the problem with average_gradients after each window; grade the parameters, the averaged
+    gradient and the all_reduce traffic."""
     problem = Problem()
     model = problem.model()
     optimizer = problem.optimizer(model.parameters())
-    differences = []
+    differences, ratios = [], []
     with distributed.count_collectives() as counts:
-        for window, expected in zip(problem.windows(), problem.baseline()):
+        for window, (gradients, expected) in zip(problem.windows(), problem.reference_steps()):
             optimizer.zero_grad()
             for batch in window:
                 x, y = problem.local(batch, ranks.rank, ranks.world_size)
                 (problem.loss_fn(model(x), y) / len(window)).backward()
             average_gradients(model)
+            ratios.append((norm([p.grad for p in model.parameters()]) / norm(gradients)).item())
             optimizer.step()
             differences.append(max_parameter_difference(model.parameters(), expected))
     steps = len(differences)
-    report(
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return report(
         "05_allreduce_by_hand",
         differences,
         {"all_reduce": (counts.calls["all_reduce"] // steps, counts.bytes["all_reduce"] // steps)},
         hint="sum every gradient over the ranks with dist.all_reduce, then divide by the world size",
+        traffic=(Traffic("all_reduce", 1, gradient_bytes,
+                         "average every gradient once per window, after its last backward, in one flat buffer "
+                         "(torch.cat of the flattened gradients): one all_reduce of all the gradient bytes"),),
+        gradient_ratios=ratios,
     )
+
+
+def norm(tensors):
+    return torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]))
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Problem, report
+from dmuon_edu.course.data_parallel import Problem, Traffic, report
 
 
 def accumulate_window(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
@@ -47,11 +47,14 @@ def sync_every_microbatch(model, optimizer, microbatches, loss_fn):
 
 VARIANTS = {
     "reduce-scatter every micro-batch": sync_every_microbatch,
-    "gradient sync on the last only": accumulate_window,
+    "gradient sync on the last only": lambda *args: accumulate_window(*args),
     "... and parameters kept gathered": lambda *args: accumulate_window(*args, keep_parameters_gathered=True),
 }
+LEARNERS = ["gradient sync on the last only", "... and parameters kept gathered"]  # the rows accumulate_window makes
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Train three ways (the default, and accumulate_window with and without keeping parameters
+    gathered); grade accumulate_window's numbers and reduce-scatters."""
     problem = Problem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     rows, differences = {}, {}
@@ -77,13 +80,23 @@ with distributed.session() as ranks:
     # whole gradient when the reduce-scatter is skipped (FSDP2 holds it internally until the window ends).
     sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = sum(isinstance(layer, torch.nn.Linear) for layer in model)
     distributed.print0(f"{problem.accum_steps} micro-batches per optimizer step, {ranks.world_size} ranks")
     distributed.print0(f"gradient bytes a rank keeps between micro-batches: {sharded} with sync (its shard), "
                        f"{unsharded} without (the whole gradient)")
-    report(
+    mistake = ("the gradients were reduce-scattered in more than the window's last backward (or in none): call "
+               "model.set_requires_gradient_sync(is_last) before each micro-batch's forward")
+    return report(
         "05_fsdp2_accumulation",
-        [max(step) for step in zip(*differences.values())],
+        [max(differences[label][step] for label in LEARNERS) for step in range(problem.n_windows)],
         rows,
         hint="call model.set_requires_gradient_sync(is_last) before each micro-batch's forward",
         measurements={"gradient bytes kept between micro-batches": {"with sync": sharded, "without sync": unsharded}},
+        # One reduce-scatter per fully_shard-ed layer, of its whole gradient, once per window.
+        traffic=tuple(Traffic(f"reduce_scatter, {label}", layers, unsharded, mistake) for label in LEARNERS),
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -65,8 +65,8 @@ _WINDOW_MISTAKES = [
 _MUON_MISTAKES = [
     (
         pitfalls.unscaled_loss,
-        _UNSCALED + ". Muon hides it (Newton-Schulz normalises the update), but the AdamW half of a real model and "
-        "any gradient clipping see the N-times gradient",
+        _UNSCALED + ". Muon hides it (Newton-Schulz normalises the update), and so does AdamW (m / sqrt(v) "
+        "divides the scale away, all but eps); gradient clipping does not: its threshold sees the N-times gradient",
     ),
     (pitfalls.zero_grad_inside_loop, _ZERO_GRAD_INSIDE),
     (

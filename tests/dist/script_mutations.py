@@ -1,0 +1,142 @@
+"""Every known wrong answer to the torchrun script exercises, fed to their checks in one launch.
+
+    torchrun --nproc-per-node=2 tests/dist/script_mutations.py
+
+Each solution script defines the learner's function and ``main(ranks)``, which grades it.
+For every wrong variant below this loads the script afresh, puts the variant in place of
+the learner's function, and runs ``main``; rank 0 prints ``MUTATION {json}`` with the
+verdict (or the error the variant raised). tests/test_script_checks.py asserts that each
+one FAILs with the hint that names its mistake.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dmuon_edu import distributed
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
+
+
+# --------------------------------------------------------------- 05_allreduce_by_hand: average_gradients
+def all_reduce_per_parameter(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def sum_not_divided(model):
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+
+
+def not_averaged(model):
+    pass
+
+
+# --------------------------------------------------------------- 05_ddp_no_sync: accumulate_window
+def no_no_sync(ddp_model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        (loss_fn(ddp_model(x), y) / len(microbatches)).backward()
+    optimizer.step()
+
+
+def step_inside_no_sync(ddp_model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    with ddp_model.no_sync():
+        for x, y in microbatches:
+            (loss_fn(ddp_model(x), y) / len(microbatches)).backward()
+        optimizer.step()
+
+
+# --------------------------------------------------------------- 05_fsdp2_accumulation: accumulate_window
+def fsdp2_syncs_every_micro_batch(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+    optimizer.step()
+
+
+def fsdp2_never_syncs(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        model.set_requires_gradient_sync(False)
+        (loss_fn(model(x), y) / len(microbatches)).backward()
+    optimizer.step()
+
+
+# --------------------------------------------------------------- 06_z2_z3_training: train
+def train_without_no_sync(model, optimizer, dataloader, accum_steps, no_sync=None):
+    losses = []
+    for i, batch in enumerate(dataloader):
+        loss = model(batch).loss / accum_steps
+        loss.backward()
+        if (i + 1) % accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item() * accum_steps)
+    return losses
+
+
+def train_steps_inside_no_sync(model, optimizer, dataloader, accum_steps, no_sync=None):
+    from dmuon_edu import dmuon
+
+    losses = []
+    for i, batch in enumerate(dataloader):
+        with (no_sync or dmuon.no_sync)(model):
+            loss = model(batch).loss / accum_steps
+            loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item() * accum_steps)
+    return losses
+
+
+MUTATIONS = [
+    ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
+    ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
+    ("05_allreduce_by_hand", "average_gradients", not_averaged),
+    ("05_ddp_no_sync", "accumulate_window", "forward_outside_no_sync"),  # the script's own wrong placement
+    ("05_ddp_no_sync", "accumulate_window", no_no_sync),
+    ("05_ddp_no_sync", "accumulate_window", step_inside_no_sync),
+    ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_every_micro_batch),
+    ("05_fsdp2_accumulation", "accumulate_window", fsdp2_never_syncs),
+    ("06_z2_z3_training", "train", train_without_no_sync),
+    ("06_z2_z3_training", "train", train_steps_inside_no_sync),
+]
+
+
+def load(script: str):
+    spec = importlib.util.spec_from_file_location(f"mutated_{script}", SCRIPTS / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines; main runs only under __main__
+    return module
+
+
+def main():
+    sys.argv = sys.argv[:1]  # the scripts write a results file when given a path: not here
+    with distributed.session() as ranks:
+        for script, function, variant in MUTATIONS:
+            module = load(script)
+            wrong = getattr(module, variant) if isinstance(variant, str) else variant
+            setattr(module, function, wrong)
+            try:
+                result = module.main(ranks)
+                outcome = {"status": result.status, "message": result.message}
+            except RuntimeError as error:
+                outcome = {"status": "RAISED", "message": str(error)}
+            distributed.barrier()
+            distributed.print0("MUTATION " + json.dumps({"script": script, "variant": wrong.__name__, **outcome}))
+
+
+if __name__ == "__main__":
+    main()

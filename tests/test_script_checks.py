@@ -1,0 +1,52 @@
+"""The torchrun script exercises grade by effect: every known wrong answer FAILs, naming its mistake.
+
+One launch (tests/dist/script_mutations.py) feeds every wrong variant to its script's
+check on 2 ranks. The right answers PASS in tests/test_data_parallel.py and
+tests/test_module6.py, which run the solution scripts.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dmuon_edu.launch import torchrun
+
+pytestmark = pytest.mark.torchrun
+
+DIST = Path(__file__).parent / "dist"
+
+# variant -> the words its hint must contain (the mistake, and its measured cost)
+EXPECTED = {
+    "all_reduce_per_parameter": ["all_reduce made 6 calls", "6x the messages", "one flat buffer"],
+    "sum_not_divided": ["the averaged gradient is 2x the full-batch gradient", "divide by the world size once"],
+    "not_averaged": ["all_reduce moved 0 bytes", "not the average of the ranks' gradients"],
+    "forward_outside_no_sync": ["4x the traffic", "decides in the forward"],
+    "no_no_sync": ["moved 1138752 bytes in 4 calls", "4x the traffic"],
+    "step_inside_no_sync": ["parameters left the baseline", "moved 0 bytes"],
+    "fsdp2_syncs_every_micro_batch": ["12 calls", "4x the traffic", "set_requires_gradient_sync(is_last)"],
+    "fsdp2_never_syncs": ["parameters left the baseline", "moved 0 bytes"],
+    "train_without_no_sync": ["reduce, Z3, no_sync moved 196608 bytes", "4x the traffic", "inside the no_sync(model)"],
+    "train_steps_inside_no_sync": ["optimizer.step() inside dmuon.no_sync(model)"],
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    result = torchrun(DIST / "script_mutations.py", nproc=2, echo=False, timeout=300)
+    lines = [json.loads(line[len("MUTATION "):]) for line in result.stdout(0).splitlines()
+             if line.startswith("MUTATION ")]
+    return {line["variant"]: line for line in lines}
+
+
+def test_every_known_mistake_was_fed_to_its_check(verdicts):
+    assert sorted(verdicts) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("variant", sorted(EXPECTED))
+def test_a_wrong_answer_fails_with_the_hint_that_names_it(verdicts, variant):
+    verdict = verdicts[variant]
+    # step() inside dmuon.no_sync never gets to the check: dmuon itself refuses it, by name.
+    assert verdict["status"] == ("RAISED" if variant == "train_steps_inside_no_sync" else "FAIL"), verdict
+    for words in EXPECTED[variant]:
+        assert words in verdict["message"], (words, verdict)
