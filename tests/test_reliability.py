@@ -39,15 +39,18 @@ train_step_with_accumulation) resumes bit-identically; a solution notebook execu
 again reproduces its stored text outputs exactly; a stub's check cell prints one line.
 """
 
+import errno
 import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -56,8 +59,11 @@ import pytest
 from helpers import processes_running
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from nbclient import NotebookClient
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -96,10 +102,11 @@ def _checks(result):
 # ------------------------------------------------------------------ resume across world sizes
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """Three launches (2 ranks: save + misuse; 4 ranks: resume 2->4 + save; 2 ranks: resume 4->2), then 2->1 here."""
+    """Three launches (2 ranks: save + misuse; 4 ranks: resume 2->4 + save; 2 ranks: resume 4->2 + a corrupt
+    checkpoint), then 2->1 here."""
     directory = tmp_path_factory.mktemp("reliability")
     checks = {}
-    for nproc, actions in [(2, ["save", "misuse"]), (4, ["resume:2", "save"]), (2, ["resume:4"])]:
+    for nproc, actions in [(2, ["save", "misuse"]), (4, ["resume:2", "save"]), (2, ["resume:4", "corrupt:4"])]:
         result = torchrun(DIST / "reliability_resume.py", nproc=nproc, args=[directory, *actions], timeout=240, echo=False)
         checks.update(_checks(result))
     if dist.is_initialized():
@@ -117,7 +124,7 @@ def resumed(tmp_path_factory):
 @pytest.mark.torchrun
 @pytest.mark.parametrize("world", [2, 4], ids=["2to2", "4to4"])
 def test_resume_at_the_same_world_size_is_bit_identical(resumed, world):
-    assert resumed[f"saved_w{world}"]["complete"]
+    assert resumed[f"saved_w{world}"]["complete"] and resumed[f"saved_w{world}"]["step"] == 2
     c = resumed[f"resume_w{world}_to_w{world}"]
     assert c["loaded_not_identical"] == [] and c["loaded_other_differences"] == [], c
     assert c["final_max_diff"] == 0.0 and c["final_not_identical"] == 0 and c["final_optim_max_diff"] == 0.0, c
@@ -144,6 +151,16 @@ def test_reduction_order_alone_is_below_the_resume_tolerance(resumed):
     b = torch.load(resumed["directory"] / "final-w4.pt", weights_only=False)["model"]
     difference = max_parameter_difference(a, b)
     assert 0 < difference < RESUME_TOLERANCE
+
+
+@pytest.mark.torchrun
+def test_a_corrupt_checkpoint_is_refused_by_every_rank_and_changes_nothing(resumed):
+    """Saved on 4 ranks, loaded on 2: the checksums are of files, so they verify on any world size."""
+    c = resumed["corrupt_w4_on_w2"]
+    assert len(c["errors"]) == 2 and all(
+        e["type"] == "CorruptCheckpointError" and f"{c['flipped']} differs from its checksum" in e["message"]
+        for e in c["errors"]), c
+    assert c["unchanged"], c
 
 
 # ------------------------------------------------------------- dmuon misuse on several ranks
@@ -227,7 +244,7 @@ def _kill_during_save(path, point):
 
 def test_interrupted_saves_are_never_mistaken_for_good_checkpoints(tmp_path):
     good_model, good = _small_state(0)
-    checkpoint.save(good, tmp_path / "step-1")
+    checkpoint.save(good, tmp_path / "step-1", step=1)
     assert checkpoint.is_complete(tmp_path / "step-1")
 
     # Killed after torch.distributed.checkpoint wrote everything, just before the marker:
@@ -246,12 +263,148 @@ def test_interrupted_saves_are_never_mistaken_for_good_checkpoints(tmp_path):
     assert checkpoint.latest(tmp_path) is None
 
     # A finished save is loaded, bit for bit.
-    checkpoint.save(good, tmp_path / "step-3")
+    checkpoint.save(good, tmp_path / "step-3", step=3)
     fresh_model, fresh = _small_state(7)
     checkpoint.load(fresh, tmp_path / "step-3")
     set_model_state_dict(fresh_model, fresh["model"])
     assert all(torch.equal(a, b) for a, b in zip(good_model.state_dict().values(), fresh_model.state_dict().values()))
     assert checkpoint.latest(tmp_path) == tmp_path / "step-3"
+
+
+# ------------------------------------------------------------------- all-or-nothing loads
+def _bits(model):
+    """Every parameter's bytes: equal lists mean bit for bit (torch.equal calls 0.0 and -0.0 equal)."""
+    return [p.detach().flatten().view(torch.uint8).clone() for p in model.parameters()]
+
+
+def _same_bits(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _flip_a_byte_of(path, key):
+    """Flip one byte in the middle of tensor ``key``'s data, where dcp's metadata says it lies; return its file."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == key)
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+    return info.relative_path
+
+
+def test_a_flipped_byte_is_refused_and_the_model_is_left_as_it_was(tmp_path):
+    good_model, good = _small_state(0)
+    checkpoint.save(good, tmp_path / "step-1", step=1)
+    checkpoint.save(good, tmp_path / "step-2", step=2)
+    data_file = _flip_a_byte_of(tmp_path / "step-2", "model.1.weight")
+
+    # torch.distributed.checkpoint alone loads it without a word, one weight different.
+    plain_model, plain = _small_state(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp's warning that there is no process group
+        dcp.load(plain, checkpoint_id=tmp_path / "step-2")
+    assert torch.equal(plain_model[0].weight, good_model[0].weight)
+    assert not torch.equal(plain_model[1].weight, good_model[1].weight)
+
+    model, state = _small_state(7)
+    before = _bits(model)
+    with pytest.raises(checkpoint.CorruptCheckpointError,
+                       match=f"step-2 is corrupt: {data_file} differs from its checksum.*checkpoint.latest"):
+        checkpoint.load(state, tmp_path / "step-2")
+    assert _same_bits(_bits(model), before)
+    with pytest.warns(RuntimeWarning, match=f"passed over .*step-2: {data_file} differs from its checksum"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
+
+
+def _two_layers(seed, out=8):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, out))  # 4 parameters
+    return model, {"model": get_model_state_dict(model)}
+
+
+@pytest.mark.parametrize("failure,fragment", [
+    ("read_error_at_the_third_of_4_tensors", r"OSError: injected read error\. Nothing in state was changed"),
+    ("shape_differs", r"Size mismatch .* for model\.1\.weight\. Nothing in state was changed"),
+    ("value_where_state_holds_a_tensor", r"not a tensor where state holds a tensor, at state\['scaler'\]\['scale'\]"),
+])
+def test_a_load_that_fails_part_way_raises_an_exception_and_changes_nothing(tmp_path, monkeypatch, failure, fragment):
+    _, saved = _two_layers(0)
+    checkpoint.save({**saved, "scaler": {"scale": 2.0}}, tmp_path / "ckpt", step=1)
+    model, state = _two_layers(7, out=4 if failure == "shape_differs" else 8)
+    state["scaler"] = {"scale": torch.tensor(1.0) if failure == "value_where_state_holds_a_tensor" else 1.0}
+    committed = []
+    if failure.startswith("read_error"):
+        commit = DefaultLoadPlanner.commit_tensor
+
+        def fail_at_the_third(self, read_item, tensor):
+            committed.append(read_item.dest_index.fqn)
+            if len(committed) == 3:  # dcp has copied this tensor's data already, and the two before it
+                raise OSError("injected read error")
+            commit(self, read_item, tensor)
+
+        monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", fail_at_the_third)
+    before, scale_before = _bits(model), state["scaler"]["scale"]
+    with pytest.raises(checkpoint.CheckpointError, match=fragment) as refused:
+        checkpoint.load(state, tmp_path / "ckpt")
+    # torch.distributed.checkpoint's own CheckpointException is a BaseException, which `except Exception` misses.
+    assert isinstance(refused.value, Exception)
+    assert len(committed) == (3 if failure.startswith("read_error") else 0)
+    assert _same_bits(_bits(model), before) and state["scaler"]["scale"] is scale_before
+
+
+def test_latest_takes_the_highest_step_among_the_checkpoints_that_verify(tmp_path):
+    _, state = _small_state(0)
+    checkpoint.save(state, tmp_path / "b", step=5)
+    checkpoint.save(state, tmp_path / "a", step=2)  # saved later: a newer marker, an earlier step
+    checkpoint.save(state, tmp_path / "c", step=9)
+    (tmp_path / "c" / "__0_0.distcp").unlink()
+    checkpoint.save(state, tmp_path / "d", step=8)
+    (tmp_path / "d" / checkpoint.MARKER).write_text("{}")  # a marker with no checksums
+    checkpoint.save(state, tmp_path / "e")  # no step
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / ".metadata").write_bytes(b"")  # no marker: passed over in silence
+    with pytest.warns(RuntimeWarning) as warned:
+        assert checkpoint.latest(tmp_path) == tmp_path / "b"
+    reasons = sorted(str(w.message) for w in warned)
+    assert len(reasons) == 3, reasons
+    for reason, (name, why) in zip(reasons, [("c", "__0_0.distcp is missing or unreadable"),
+                                             ("d", "COMPLETE lists no file checksums"),
+                                             ("e", "it was saved without a step (checkpoint.save(state, path, step=N))")]):
+        assert reason.startswith(f"checkpoint.latest passed over {tmp_path / name}: {why}"), reason
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="__0_0.distcp is missing or unreadable"):
+        checkpoint.load(_small_state(1)[1], tmp_path / "c")
+    model, fresh = _small_state(1)
+    checkpoint.load(fresh, tmp_path / "e")  # a checkpoint without a step still loads
+    assert torch.equal(model[0].weight, state["model"]["0.weight"])
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")  # dcp's note that it saves over one: the intent
+def test_a_save_that_fails_raises_an_exception_and_leaves_no_marker(tmp_path, monkeypatch):
+    _, state = _small_state(0)
+    checkpoint.save(state, tmp_path / "ckpt", step=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full)
+    with pytest.raises(checkpoint.CheckpointError, match="could not save .*No space left on device.*save again"):
+        checkpoint.save(state, tmp_path / "ckpt", step=2)
+    assert not checkpoint.is_complete(tmp_path / "ckpt") and checkpoint.latest(tmp_path) is None
+
+
+@pytest.mark.parametrize("call,error,fragment", [
+    (lambda path: checkpoint.save({}, path, step=-1), ValueError, "step must be >= 0"),
+    (lambda path: checkpoint.save({}, path, step="3"), TypeError, "step must be an int"),
+    (lambda path: checkpoint.save({}, path, step=True), TypeError, "step must be an int"),
+    (lambda path: checkpoint.load({"model": nn.Linear(2, 2)}, path), TypeError, "pass its state dict instead"),
+    (lambda path: checkpoint.load({}, checkpoint.latest(path)), FileNotFoundError,
+     "path is None, which checkpoint.latest(root) returns when root holds no checkpoint that verifies"),
+], ids=["negative_step", "step_a_string", "step_a_bool", "a_module_instead_of_its_state_dict", "latest_found_none"])
+def test_bad_checkpoint_input_is_refused_before_anything_is_written(tmp_path, call, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        call(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
 
 
 # --------------------------------------------------------------- single-device loop resume
@@ -285,12 +438,12 @@ def _single_device_state(run):
 def test_single_device_resume_with_scheduler_and_grad_scaler_is_bit_identical(tmp_path):
     uninterrupted = _single_device_run()
     _train(uninterrupted, range(3))
-    checkpoint.save(_single_device_state(uninterrupted), tmp_path / "ckpt")
+    checkpoint.save(_single_device_state(uninterrupted), tmp_path / "step-3", step=3)
     _train(uninterrupted, range(3, 6))
 
     resumed = _single_device_run(seed=99)  # fresh: other weights, no optimizer state yet
     state = _single_device_state(resumed)  # get_optimizer_state_dict initialises a fresh optimizer's state
-    checkpoint.load(state, tmp_path / "ckpt")
+    checkpoint.load(state, checkpoint.latest(tmp_path))
     model, opt, sched, scaler = resumed
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])

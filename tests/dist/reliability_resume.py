@@ -12,6 +12,8 @@ ACTION is one of (tests/test_reliability.py runs them):
 - ``resume:V``: resume from DIR/ckpt-wV (saved on V ranks) on these W ranks: the loaded
   state is compared with DIR/state-wV.pt bit for bit, then training continues and the
   result is compared with DIR/final-wV.pt.
+- ``corrupt:V``: a copy of DIR/ckpt-wV with one byte flipped in a file that rank 1 checks
+  (the ranks share the checking): every rank must refuse it and change nothing.
 - ``misuse``: dmuon misuse that needs several ranks: a mesh that does not span the
   process group, stepping inside no_sync, non-finite gradients on one rank only.
 
@@ -22,6 +24,7 @@ runs in float32, so runs on different world sizes differ only by the order of su
 
 import contextlib
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -168,7 +171,7 @@ def save(mesh, directory):
     model, opt, sched = build(mesh)
     for step in range(STEPS):
         if step == SAVE_AT:
-            checkpoint.save(sharded_state(model, opt, sched), directory / f"ckpt-w{world}")
+            checkpoint.save(sharded_state(model, opt, sched), directory / f"ckpt-w{world}", step=SAVE_AT)
             at_save = full_state(model, opt, sched)
             if dist.get_rank() == 0:
                 torch.save(at_save, directory / f"state-w{world}.pt")
@@ -177,8 +180,33 @@ def save(mesh, directory):
     if dist.get_rank() == 0:
         torch.save(final, directory / f"final-w{world}.pt")
     dist.barrier()
-    report(f"saved_w{world}", complete=checkpoint.is_complete(directory / f"ckpt-w{world}"), owners=dmuon.ownership(model))
+    marker = json.loads((directory / f"ckpt-w{world}" / checkpoint.MARKER).read_text())
+    report(f"saved_w{world}", complete=checkpoint.is_complete(directory / f"ckpt-w{world}"), step=marker["step"],
+           owners=dmuon.ownership(model))
     resume(mesh, directory, world)
+
+
+def corrupt(mesh, directory, saved_on):
+    """Load a copy of the checkpoint saved on ``saved_on`` ranks with one byte flipped: refused, nothing changed."""
+    source, target = directory / f"ckpt-w{saved_on}", directory / f"corrupt-w{saved_on}"
+    # The ranks share the checking round-robin over the sorted file names (.metadata first): flip a byte in
+    # a file that rank 1 checks, so that rank 0 has to learn of it from rank 1.
+    names = sorted(p.name for p in source.iterdir() if p.name != checkpoint.MARKER)
+    flipped = names[1::dist.get_world_size()][-1]
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+        with open(target / flipped, "r+b") as f:
+            f.seek(f.seek(0, 2) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0xFF]))
+    dist.barrier()
+    model, opt, sched = build(mesh, seed=123)
+    before = full_state(model, opt, sched)
+    error = error_of(lambda: checkpoint.load(sharded_state(model, opt, sched), target))
+    _, not_identical, other = differences(before, full_state(model, opt, sched))
+    report(f"corrupt_w{saved_on}_on_w{dist.get_world_size()}", flipped=flipped, errors=per_rank(error),
+           unchanged=not_identical == [] and other == [])
 
 
 def error_of(fn):
@@ -234,6 +262,8 @@ def main():
                 save(mesh, directory)
             elif action.startswith("resume:"):
                 resume(mesh, directory, int(action.split(":")[1]))
+            elif action.startswith("corrupt:"):
+                corrupt(mesh, directory, int(action.split(":")[1]))
             elif action == "misuse":
                 misuse(mesh)
             else:
