@@ -31,18 +31,23 @@ lab: install
 test:
 	@bash tests/stages.sh
 
-## Rewrite the learner notebooks from the solutions.
-notebooks: install
-	$(PY) -m dmuon_edu.course build
+# FORCE=1 lets `make notebooks` and `make solutions` replace learner files you changed, each after a backup.
+FORCE_FLAG = $(if $(filter-out 0 1,$(FORCE)),$(error FORCE is 1 or 0, not '$(FORCE)'),$(if $(filter 1,$(FORCE)),--force))
 
-## Re-run the solution notebooks and store their (clean) outputs; then rebuild notebooks/.
+## Rewrite the learner notebooks from the solutions. A file you changed is never replaced,
+## unless FORCE=1, and then only after a backup (<name>.bak-<time>, beside it).
+notebooks: install
+	$(PY) -m dmuon_edu.course build $(FORCE_FLAG)
+
+## Re-run the solution notebooks and store their (clean) outputs; then rebuild notebooks/ (FORCE=1 as above).
 solutions: install
 	$(PY) -m dmuon_edu.course execute $(NB)
-	$(PY) -m dmuon_edu.course build
+	$(PY) -m dmuon_edu.course build $(FORCE_FLAG)
 
 ## Grade your work in notebooks/: one row per exercise (NB=01 for one module).
+## A cell that runs longer than CELL_TIMEOUT seconds (default 120) stops its notebook.
 check: install
-	@$(PY) -m dmuon_edu check $(NB)
+	@$(PY) -m dmuon_edu check $(if $(CELL_TIMEOUT),--cell-timeout $(CELL_TIMEOUT)) $(NB)
 
 ## Every benchmark in one run: one markdown table of ratios, printed and written to benchmarks/results.md.
 ## CPU rows take under 10 minutes on 2 cores; with CUDA the GPU rows are added.

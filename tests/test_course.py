@@ -1,15 +1,27 @@
 """One source of truth: learner notebooks are generated from solutions, and graded."""
 
+import json
 import re
 import subprocess
 import sys
+import time
 
 import nbformat
 import pytest
+from helpers import processes_running
+from nbformat.v4 import new_code_cell, new_notebook
 
-from dmuon_edu.course import grading, notebooks
+from dmuon_edu.course import cli, grading, notebooks
 
 SOLUTION_NOTEBOOKS = sorted(notebooks.SOLUTIONS.glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory):
+    """A fresh build of the learner files: tests never read notebooks/, where a learner works."""
+    folder = tmp_path_factory.mktemp("learner")
+    notebooks.build(into=folder)
+    return folder
 
 
 def test_strip_solutions_keeps_the_marker_indent_and_the_rest():
@@ -37,9 +49,98 @@ def test_unbalanced_markers_are_refused(source, message):
         notebooks.strip_solutions(source, where="nb, cell 3")
 
 
-def test_learner_notebooks_are_up_to_date():
-    stale = notebooks.build(check_only=True)
-    assert not stale, f"notebooks/ is out of date ({[p.name for p in stale]}): run `make notebooks`"
+def _git(*args):
+    return subprocess.run(["git", "-C", str(notebooks.ROOT), *args], capture_output=True, timeout=60)
+
+
+def test_committed_learner_files_are_what_build_writes(learner):
+    # The committed files, not the working copy: a learner's edits in notebooks/ must not fail the suite.
+    if _git("rev-parse", "HEAD").returncode != 0:
+        pytest.skip("not a git checkout with a commit: the committed learner files cannot be read")
+    built = sorted(str(p.relative_to(learner)) for p in learner.rglob("*") if p.is_file())
+    listed = _git("ls-tree", "-r", "--name-only", "HEAD", "notebooks/").stdout.decode().splitlines()
+    committed = sorted(line.removeprefix("notebooks/") for line in listed)
+    stale = [name for name in built if _git("show", f"HEAD:notebooks/{name}").stdout != (learner / name).read_bytes()]
+    assert (built, stale) == (committed, []), (
+        f"notebooks/ as committed is not what `make notebooks` builds from solutions/ (differs: {stale}; "
+        f"built only: {sorted(set(built) - set(committed))}; committed only: {sorted(set(committed) - set(built))}): "
+        "run `make notebooks` and commit notebooks/, .manifest.json included")
+
+
+def _learner_copy(tmp_path):
+    folder = tmp_path / "notebooks"
+    notebooks.build(into=folder)
+    return folder, folder / "01_loss_scaled_accumulation.ipynb"
+
+
+def _as_if_built_from_other_solutions(folder, name):
+    """Record another hash for ``name``: to build, its solution changed since the last build."""
+    manifest = json.loads((folder / notebooks.MANIFEST).read_text())
+    manifest[name] = "0" * 64
+    (folder / notebooks.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_build_refuses_to_replace_a_changed_file_and_writes_nothing(tmp_path):
+    folder, path = _learner_copy(tmp_path)
+    path.write_text(path.read_text().replace("NotImplementedError", "print('my work')", 1))
+    (folder / "02_zero_grad_pitfalls.ipynb").unlink()
+    _as_if_built_from_other_solutions(folder, path.name)
+    manifest = (folder / notebooks.MANIFEST).read_text()
+    with pytest.raises(notebooks.WorkWouldBeLost, match=rf"(?s){path.name}.*Nothing was written.*restore NAME.*FORCE=1"):
+        notebooks.build(into=folder)
+    assert "my work" in path.read_text()
+    assert not (folder / "02_zero_grad_pitfalls.ipynb").exists() and (folder / notebooks.MANIFEST).read_text() == manifest
+    assert not list(folder.glob("*.bak-*"))
+
+
+def test_build_with_force_keeps_a_backup_of_the_changed_file(tmp_path):
+    folder, path = _learner_copy(tmp_path)
+    fresh = path.read_text()
+    path.write_text(fresh.replace("NotImplementedError", "print('my work')", 1))
+    _as_if_built_from_other_solutions(folder, path.name)
+    written, backups = notebooks.build(into=folder, force=True)
+    [backup] = folder.glob(f"{path.name}.bak-*")
+    assert written == [path] and backups == {path: backup}
+    assert path.read_text() == fresh and "my work" in backup.read_text()
+
+
+def test_build_keeps_a_changed_file_when_solutions_give_nothing_new_and_updates_the_rest(tmp_path):
+    folder, path = _learner_copy(tmp_path)
+    path.write_text(path.read_text().replace("NotImplementedError", "print('my work')", 1))
+    script = folder / "scripts" / "05_ddp_no_sync.py"
+    fresh_script = script.read_text()
+    script.write_text("# as an older build wrote it\n")  # untouched since that build: rewritten freely
+    manifest = json.loads((folder / notebooks.MANIFEST).read_text())
+    manifest["scripts/05_ddp_no_sync.py"] = notebooks._sha256(script.read_bytes())
+    (folder / notebooks.MANIFEST).write_text(json.dumps(manifest))
+    assert notebooks.build(into=folder) == ([script], {})
+    assert "my work" in path.read_text() and script.read_text() == fresh_script
+
+
+def test_a_file_there_before_any_build_counts_as_the_learners(tmp_path):
+    folder, path = _learner_copy(tmp_path)
+    path.write_text("my own notebook")
+    (folder / notebooks.MANIFEST).unlink()
+    with pytest.raises(notebooks.WorkWouldBeLost, match=path.name):
+        notebooks.build(into=folder)
+
+
+def test_restore_starts_one_exercise_over_and_keeps_a_backup(tmp_path):
+    folder, path = _learner_copy(tmp_path)
+    fresh = path.read_text()
+    path.write_text(fresh.replace("NotImplementedError", "print('my work')", 1))
+    [(restored, backup)] = notebooks.restore("01", into=folder).items()
+    assert restored == path and path.read_text() == fresh and "my work" in backup.read_text()
+    assert notebooks.plan(folder).write == notebooks.plan(folder).edited == []
+    with pytest.raises(ValueError, match="no learner file starts with '99'; they are: 01_loss"):
+        notebooks.restore("99", into=folder)
+
+
+def test_a_broken_manifest_is_named_with_the_way_out(tmp_path):
+    folder, _ = _learner_copy(tmp_path)
+    (folder / notebooks.MANIFEST).write_text("{not json")
+    with pytest.raises(ValueError, match=r"\.manifest\.json is not valid JSON .*git checkout -- "):
+        notebooks.build(into=folder)
 
 
 @pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
@@ -67,7 +168,11 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
         )
     for i in exercises:
         following = code_cells[i + 1].source if i + 1 < len(code_cells) else ""
-        assert grading.CHECK_CALL.search(following), f"exercise cell {i} is not followed by a check cell"
+        check = grading.CHECK_CALL.search(following)
+        assert check, f"exercise cell {i} is not followed by a check cell"
+        # The grader checks the function named as the exercise, whatever the check cell passes.
+        name = check.group(1)
+        assert re.fullmatch(rf'check\("{name}", {name}\)', following.strip()), following
 
 
 # nbval reads NBVAL_IGNORE_OUTPUT as a source comment, or as this cell metadata tag.
@@ -94,7 +199,7 @@ def _prints(cell):
 
 # --- grading, end to end through a real kernel ----------------------------------------------
 
-LEARNER_01 = notebooks.NOTEBOOKS / "01_loss_scaled_accumulation.ipynb"
+LEARNER_01 = "01_loss_scaled_accumulation.ipynb"
 
 NO_SCALING = """
 def train_step_with_accumulation(model, optimizer, microbatches, loss_fn):
@@ -122,9 +227,9 @@ def train_step_with_accumulation(model, optimizer, microbatches, loss_fn):
 """
 
 
-def _exercise_only(tmp_path, answer):
+def _exercise_only(learner, tmp_path, answer):
     """The learner notebook cut to its set-up cell, exercise cell (answered) and check cell."""
-    notebook = nbformat.read(LEARNER_01, as_version=4)
+    notebook = nbformat.read(learner / LEARNER_01, as_version=4)
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
     exercise = next(i for i, cell in enumerate(code_cells) if "NotImplementedError" in cell.source)
     code_cells[exercise].source = answer
@@ -144,23 +249,23 @@ NOTEBOOKS_WITH_CHECK_CELLS = [
 
 
 @pytest.mark.parametrize("solution", NOTEBOOKS_WITH_CHECK_CELLS, ids=lambda p: p.stem)
-def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution):
+def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution, learner):
     exercises = [
         grading.CHECK_CALL.search(cell.source).group(1)
         for cell in nbformat.read(solution, as_version=4).cells
         if cell.cell_type == "code" and grading.CHECK_CALL.search(cell.source)
     ]
-    statuses = grading.grade(notebooks.NOTEBOOKS / solution.name)
+    statuses = grading.grade(learner / solution.name)
     assert [(s.exercise, s.status) for s in statuses] == [(name, "not attempted") for name in exercises]
 
 
-def test_a_missing_one_over_n_is_named(tmp_path):
-    [status] = grading.grade(_exercise_only(tmp_path, NO_SCALING))
+def test_a_missing_one_over_n_is_named(learner, tmp_path):
+    [status] = grading.grade(_exercise_only(learner, tmp_path, NO_SCALING))
     assert status.status == "failed" and "N times too large" in status.hint
 
 
-def test_check_command_prints_the_table_and_names_zero_grad_inside_the_loop(tmp_path):
-    path = _exercise_only(tmp_path, ZERO_GRAD_INSIDE)
+def test_check_command_prints_the_table_and_names_zero_grad_inside_the_loop(learner, tmp_path):
+    path = _exercise_only(learner, tmp_path, ZERO_GRAD_INSIDE)
     result = subprocess.run([sys.executable, "-m", "dmuon_edu", "check", str(path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     assert "train_step_with_accumulation" in result.stdout
@@ -168,8 +273,91 @@ def test_check_command_prints_the_table_and_names_zero_grad_inside_the_loop(tmp_
     assert "0 of 1 exercises passed" in result.stdout
 
 
-def test_the_solution_passes_its_check(tmp_path):
-    solution = nbformat.read(notebooks.SOLUTIONS / LEARNER_01.name, as_version=4)
+def test_the_solution_passes_its_check(learner, tmp_path):
+    solution = nbformat.read(notebooks.SOLUTIONS / LEARNER_01, as_version=4)
     answer = next(cell.source for cell in solution.cells if notebooks.BEGIN in cell.source)
-    [status] = grading.grade(_exercise_only(tmp_path, answer))
+    [status] = grading.grade(_exercise_only(learner, tmp_path, answer))
     assert status.status == "passed", status.hint
+
+
+# --- a grader that cannot be fooled by accident, or stalled -----------------------------------
+
+CHECK_CELL = 'check("is_hidden_matrix", is_hidden_matrix)'
+
+
+def _notebook(path, *sources):
+    nbformat.write(new_notebook(cells=[new_code_cell(source) for source in sources]), path)
+    return path
+
+
+def test_a_redefined_check_does_not_pass(tmp_path):
+    forged = _notebook(tmp_path / "07_forged.ipynb",
+                       "def is_hidden_matrix(name, p):\n    return True\n\n"
+                       "def check(exercise, candidate):\n    print(f'PASS {exercise}: looks right')",
+                       CHECK_CELL)
+    [status] = grading.grade(forged, cell_timeout=60)
+    assert (status.exercise, status.status) == ("is_hidden_matrix", "failed"), status
+    assert "Muon orthogonalises matrices only" in status.hint  # the package's checker spoke
+
+
+# One grading run over a folder of broken notebooks (a short cell timeout), read by the tests below.
+# Child processes, one started by a stalled cell, one by a cell that then kills its kernel: neither may
+# outlive the grading.
+SLEEPERS = {"loop": "293.71", "dies": "293.72"}
+
+
+@pytest.fixture(scope="module")
+def broken_folder_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("broken")
+    (folder / "00_not_json.ipynb").write_text("{ this is not JSON")
+    start_sleeper = "import os, subprocess\nsubprocess.Popen(['sleep', '{}'], start_new_session=True)\n"
+    _notebook(folder / "01_kills_its_kernel.ipynb", start_sleeper.format(SLEEPERS["dies"]) + "os._exit(3)", CHECK_CELL)
+    _notebook(folder / "02_endless_loop.ipynb", start_sleeper.format(SLEEPERS["loop"]) + "while True:\n    pass",
+              CHECK_CELL)
+    program = ("import sys; from pathlib import Path; from dmuon_edu.course import cli; "
+               f"cli.NOTEBOOKS = Path({str(folder)!r}); sys.exit(cli.main(['check', '--cell-timeout', '2']))")
+    start = time.monotonic()
+    # The subprocess's own timeout: a grader that stalls fails this test instead of hanging the suite.
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    return result, time.monotonic() - start
+
+
+def _row(result, notebook):
+    return [line for line in result.stdout.splitlines() if line.startswith(notebook)]
+
+
+def test_a_notebook_that_is_not_json_is_a_row_and_the_others_are_graded(broken_folder_run):
+    result, _ = broken_folder_run
+    [row] = _row(result, "00_not_json")
+    assert "(notebook)" in row and "failed: not a notebook that can be read" in row and "restore" in row
+    assert _row(result, "01_kills_its_kernel") and _row(result, "02_endless_loop"), result.stdout + result.stderr
+    assert result.returncode == 1 and "0 of 2 exercises passed" in result.stdout
+
+
+def test_a_dead_kernel_is_a_row(broken_folder_run):
+    result, _ = broken_folder_run
+    notebook_row, exercise_row = _row(result, "01_kills_its_kernel")
+    assert "cell 1 (`import os, subprocess`) killed the kernel" in notebook_row
+    assert "is_hidden_matrix" in exercise_row and "not graded" in exercise_row
+    assert processes_running(f"sleep {SLEEPERS['dies']}") == []  # orphaned when its kernel died, found anyway
+
+
+def test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_behind(broken_folder_run):
+    result, seconds = broken_folder_run
+    notebook_row, exercise_row = _row(result, "02_endless_loop")
+    assert "cell 1 (`import os, subprocess`) did not finish within 2 s" in notebook_row and "not graded" in exercise_row
+    assert seconds < 60, f"a 2 s cell timeout took {seconds:.0f} s"  # kernel starts and imports, not a stall
+    assert processes_running(f"sleep {SLEEPERS['loop']}") == []
+
+
+def test_no_exercise_is_reported_and_exits_1(tmp_path, capsys):
+    nothing = _notebook(tmp_path / "01_notes.ipynb", "print('no check here')")
+    assert cli.main(["check", str(nothing)]) == 1
+    out = capsys.readouterr().out
+    assert "01_notes  (notebook)  no exercise" in out and "0 of 0 exercises passed" in out
+
+
+def test_the_cell_timeout_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--cell-timeout", "0"])
+    assert "a cell timeout is a positive number of seconds, got 0" in capsys.readouterr().err

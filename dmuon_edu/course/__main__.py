@@ -1,4 +1,4 @@
-"""``python -m dmuon_edu.course build | sync-check | execute [NN] | check [NN]`` (see :mod:`dmuon_edu.course.cli`)."""
+"""``python -m dmuon_edu.course build [--force] | restore NN | sync-check | execute [NN] | check [NN]`` (see :mod:`dmuon_edu.course.cli`)."""
 
 import sys
 

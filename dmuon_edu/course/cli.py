@@ -1,9 +1,10 @@
 """The course's command line.
 
-    python -m dmuon_edu.course build        # solutions/ -> notebooks/
-    python -m dmuon_edu.course sync-check   # fail if notebooks/ is out of date
-    python -m dmuon_edu.course execute [NN] # re-run solutions, store clean outputs
-    python -m dmuon_edu.course check [NN]   # grade notebooks/ (also: python -m dmuon_edu check)
+    python -m dmuon_edu.course build [--force]  # solutions/ -> notebooks/; refuses to replace your work unless --force
+    python -m dmuon_edu.course restore NN       # start NN over from a fresh copy; yours is kept as a backup
+    python -m dmuon_edu.course sync-check       # fail if build would change notebooks/
+    python -m dmuon_edu.course execute [NN]     # re-run solutions, store clean outputs
+    python -m dmuon_edu.course check [NN]       # grade notebooks/ (also: python -m dmuon_edu check)
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dmuon_edu.course.grading import format_table, grade, grade_script
-from dmuon_edu.course.notebooks import NOTEBOOKS, ROOT, SOLUTIONS, build, execute
+from dmuon_edu.course.grading import GRADE_CELL_TIMEOUT_S, called_scripts, format_table, grade, grade_script
+from dmuon_edu.course.notebooks import NOTEBOOKS, ROOT, SOLUTIONS, WorkWouldBeLost, build, execute, plan, restore
 
 
 def select(folder: Path, selector: str | None, pattern: str = "*.ipynb") -> list[Path]:
@@ -26,35 +27,70 @@ def select(folder: Path, selector: str | None, pattern: str = "*.ipynb") -> list
     return [p for p in sorted(folder.glob(pattern)) if selector is None or p.name.startswith(selector)]
 
 
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a cell timeout is a positive number of seconds, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dmuon_edu.course", description="Build and grade the course's notebooks.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build", help="write notebooks/ from solutions/")
-    commands.add_parser("sync-check", help="fail if notebooks/ is not what build would write")
+    commands.add_parser("build", help="write notebooks/ from solutions/, never over your work").add_argument(
+        "--force", action="store_true", help="replace the files you changed too, each after a backup")
+    commands.add_parser("restore", help="start an exercise over: a fresh copy, yours kept as a backup").add_argument(
+        "name", help="a notebook number such as 01, or the start of a file name in notebooks/ or notebooks/scripts/")
+    commands.add_parser("sync-check", help="fail if build would change notebooks/")
     for name, help_text in [("execute", "re-run solution notebooks and store clean outputs"),
                             ("check", "grade your notebooks: one row per exercise")]:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("selector", nargs="?", help="a notebook number such as 01, or a notebook path")
+    commands.choices["check"].add_argument(
+        "--cell-timeout", type=seconds, default=GRADE_CELL_TIMEOUT_S, metavar="SECONDS",
+        help=f"stop a notebook at a cell that runs longer (default {GRADE_CELL_TIMEOUT_S} s)")
     args = parser.parse_args(argv)
 
-    if args.command in ("build", "sync-check"):
-        changed = build(check_only=args.command == "sync-check")
-        for path in changed:
-            print(f"{'out of date' if args.command == 'sync-check' else 'wrote'}: {path.relative_to(ROOT)}")
-        if args.command == "sync-check" and changed:
-            print("notebooks/ is out of date with solutions/: run `make notebooks`", file=sys.stderr)
-            return 1
-        return 0
+    try:
+        if args.command == "build":
+            written, backups = build(force=args.force)
+            for path in written:
+                print(f"wrote: {_shown(path)}" + (f" (yours is kept in {_shown(backups[path])})" if path in backups else ""))
+            return 0
+        if args.command == "restore":
+            for path, backup in restore(args.name).items():
+                print(f"restored: {_shown(path)}" + (f" (yours is kept in {_shown(backup)})" if backup else ""))
+            return 0
+        if args.command == "sync-check":
+            todo = plan()
+            for name in todo.write:
+                print(f"out of date: {_shown(NOTEBOOKS / name)}")
+            for name in todo.edited:
+                print(f"out of date, and changed since the last build (build refuses it): {_shown(NOTEBOOKS / name)}")
+            if todo.write or todo.edited:
+                print("notebooks/ is out of date with solutions/: run `make notebooks`", file=sys.stderr)
+                return 1
+            return 0
+    except (WorkWouldBeLost, ValueError) as error:  # work that would be lost, a broken manifest, unknown NAME
+        print(error, file=sys.stderr)
+        return 1
     if args.command == "execute":
         for path in select(SOLUTIONS, args.selector):
-            print(f"executing {path.relative_to(ROOT)}", flush=True)
+            print(f"executing {_shown(path)}", flush=True)
             execute(path)
         return 0
     notebooks = select(NOTEBOOKS, args.selector)
     scripts = select(NOTEBOOKS / "scripts", args.selector, "*.py")
+    if args.selector and Path(args.selector).suffix == ".ipynb":  # one notebook: its exercise scripts with it
+        scripts = called_scripts(Path(args.selector))
     if not notebooks and not scripts:
         raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}")
-    statuses = [status for path in notebooks for status in grade(path)]
+    statuses = [status for path in notebooks for status in grade(path, args.cell_timeout)]
     statuses += [grade_script(path) for path in scripts]
     print(format_table(statuses))
-    return 0 if all(s.status == "passed" for s in statuses) else 1
+    # No exercise graded is no success: "0 of 0 exercises passed" must not exit 0.
+    return 0 if statuses and all(s.status == "passed" for s in statuses) else 1
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
