@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dmuon_edu.course import grading, notebooks
+from dmuon_edu.course import cost_model, grading, notebooks
 from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, seed_batches
 from dmuon_edu.launch import torchrun
 
@@ -87,7 +87,32 @@ def test_z2_z3_bytes_per_optimizer_step(results, zero3, no_sync):
     assert held == ([P_M // NPROC + P_M // MATRICES] * NPROC if zero3 else [P_M] * NPROC)
 
 
-def test_seed_000_loop_loss_falls(results):
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "no_no_sync"])
+def test_the_cost_model_predicts_what_the_z2_z3_runs_counted_and_held(results, zero3, no_sync):
+    result = results["06_z2_z3_training"]
+    config = f"{'Z3' if zero3 else 'Z2'}, {'no_sync' if no_sync else 'no no_sync'}"
+    layers = 3
+    predicted = cost_model.cost(f"dmuon {config[:2]}", P=P_M, N=NPROC, k=K, L=layers, no_sync=no_sync, s=1)
+    for op in ("broadcast", "reduce"):
+        assert predicted.counted[op] == result["collectives"][f"{op}, {config}"][1], (op, predicted)
+    # held_bytes sees the copies a layer computes with; a prefetched layer's buffer is still in flight.
+    held = result["measurements"]["dedicated bytes held during a forward, at most"][config]
+    assert [predicted.parameters] * NPROC == held, (predicted, held)
+
+
+def test_the_cost_model_predicts_zero1_by_hand(results):
+    measured = results["06_reduce_broadcast"]
+    predicted = cost_model.cost("ZeRO-1", P=P_M, N=NPROC, k=K, L=3, s=1)
+    assert {op: predicted.counted[op] for op in ("reduce", "broadcast")} == {
+        op: measured["collectives"][op][1] for op in ("reduce", "broadcast")}
+    assert [predicted.parameters] * NPROC == measured["measurements"]["dedicated bytes held between steps"]
+    # What crosses the wire: the reduce and the broadcast each send (N-1)/N of P_M per rank, as much
+    # as one ring all-reduce (2(N-1)/N) would.
+    assert predicted.wire == cost_model.cost("DDP", P=P_M, N=NPROC, k=K, L=3).wire
+
+
+def test_the_guide_loop_loss_falls(results):
     losses = results["06_z2_z3_training"]["measurements"]["guide loop losses"]
     assert len(losses) == 15
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
@@ -102,7 +127,10 @@ def test_seed_batches_differ_per_rank_and_repeat_per_call():
 
 
 @pytest.mark.parametrize("script", MODULE_6, ids=lambda p: p.stem)
-def test_learner_scripts_are_real_exercises(script):
-    # One rank suffices to reach the stub, and starts faster than two.
-    status = grading.grade_script(notebooks.NOTEBOOKS / "scripts" / script.name, nproc=1)
+def test_learner_scripts_are_real_exercises(script, tmp_path):
+    # A fresh learner copy, not notebooks/scripts/, where a learner works. One rank suffices to reach
+    # the stub, and starts faster than two.
+    learner = tmp_path / script.name
+    learner.write_text(notebooks.learner_script(script.read_text(), script.name))
+    status = grading.grade_script(learner, nproc=1)
     assert status.status == "not attempted", status

@@ -26,6 +26,8 @@ EXPECTED = {
     "step_inside_no_sync": ["parameters left the baseline", "moved 0 bytes"],
     "fsdp2_syncs_every_micro_batch": ["12 calls", "4x the traffic", "set_requires_gradient_sync(is_last)"],
     "fsdp2_never_syncs": ["parameters left the baseline", "moved 0 bytes"],
+    "prepare_z2": ["broadcast moved 49152 bytes", "0.12x the traffic", "reshard_after_forward=True"],
+    "prepare_fully_shard_first": ["already sharded by fully_shard", "call dmuon.dedicate_params(model, mesh, predicate) first"],
     "train_without_no_sync": ["reduce, Z3, no_sync moved 196608 bytes", "4x the traffic", "inside the no_sync(model)"],
     "train_steps_inside_no_sync": ["optimizer.step() inside dmuon.no_sync(model)"],
 }
@@ -46,7 +48,9 @@ def test_every_known_mistake_was_fed_to_its_check(verdicts):
 @pytest.mark.parametrize("variant", sorted(EXPECTED))
 def test_a_wrong_answer_fails_with_the_hint_that_names_it(verdicts, variant):
     verdict = verdicts[variant]
-    # step() inside dmuon.no_sync never gets to the check: dmuon itself refuses it, by name.
-    assert verdict["status"] == ("RAISED" if variant == "train_steps_inside_no_sync" else "FAIL"), verdict
+    # step() inside dmuon.no_sync and dedicate_params after fully_shard never get to the check: dmuon
+    # itself refuses them, by name.
+    raised = variant in ("train_steps_inside_no_sync", "prepare_fully_shard_first")
+    assert verdict["status"] == ("RAISED" if raised else "FAIL"), verdict
     for words in EXPECTED[variant]:
         assert words in verdict["message"], (words, verdict)

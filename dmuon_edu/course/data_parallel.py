@@ -121,13 +121,15 @@ def report(
     measurements: dict | None = None,
     traffic: tuple[Traffic, ...] = (),
     gradient_ratios: list[float] | None = None,
+    findings: tuple[str, ...] = (),
 ) -> CheckResult:
     """Print, on rank 0, how far each step is from the baseline and what was communicated; return the verdict.
 
     The verdict grades the lesson by its effects: the parameters against the
     baseline (``hint`` says what to do when they differ), every ``traffic`` row
     against what it should cost, and, where given, ``gradient_ratios`` (the norm of
-    the gradient each step used over the full-batch gradient's) against 1.
+    the gradient each step used over the full-batch gradient's) against 1; ``findings``
+    are further problems the script measured (what a rank holds), each a FAIL.
     ``collectives`` maps a row label to (calls, bytes) per optimizer step.
     If the script was given a path as its first argument, rank 0 also writes
     everything, with any further ``measurements``, to that JSON file for plots
@@ -149,6 +151,7 @@ def report(
     if off:
         problems.append(_gradient_problem(off[0], dist.get_world_size()))
     problems += [problem for t in traffic if (problem := t.problem(*collectives[t.row])) is not None]
+    problems += findings
     if problems:
         result = CheckResult(exercise, "FAIL", "; and ".join(problems))
     elif traffic:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.data_parallel import Traffic, report
 from dmuon_edu.course.dmuon_problem import (
     ADAMW_LR,
     MUON_HYPERPARAMETERS,
@@ -43,7 +43,8 @@ def prepare(model, mesh):
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Set up with prepare, accumulate without no_sync; grade what each rank sends and holds."""
     problem = Problem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     model = problem.model().to(ranks.device)
@@ -71,7 +72,14 @@ with distributed.session() as ranks:
                                 for name, p in model.named_parameters() if name not in dedicated)
     distributed.print0(f"{len(dedicated)} Muon matrices, P_M = {p_m} bytes, {problem.accum_steps} micro-batches "
                        f"per optimizer step, no no_sync")
-    report(
+    k, held = problem.accum_steps, max(held_between_steps)
+    # Between steps a rank holds exactly the matrices it owns: every rank's copies of the others are gone.
+    held_per_rank, owned_per_rank = per_rank(held), per_rank(owned_bytes)
+    findings = () if held_per_rank == owned_per_rank else (
+        f"between optimizer steps the ranks held {held_per_rank} bytes of Muon matrices where they own "
+        f"{owned_per_rank}: non-owners must not keep copies; dedicate_params(model, mesh, predicate=is_dedicated) "
+        "before any fully_shard",)
+    return report(
         "06_owners_only",
         differences,
         {op: (counts.calls[op] // steps, counts.bytes[op] // steps)
@@ -85,4 +93,17 @@ with distributed.session() as ranks:
             "dedicated bytes held during a forward, at most": per_rank(probe.peak),
             "AdamW parameter shard bytes": per_rank(symmetric_shard_bytes),
         },
+        traffic=(
+            Traffic("broadcast", None, 2 * k * p_m,
+                    "Z3 broadcasts every matrix before each layer's forward and again before its backward, "
+                    "2k P_M per step: leave reshard_after_forward=True (the default) in dedicate_params"),
+            Traffic("reduce", None, k * p_m,
+                    "without no_sync every micro-batch reduces every matrix gradient to its owner, k P_M per step"),
+        ),
+        findings=findings,
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -101,6 +101,33 @@ def train_steps_inside_no_sync(model, optimizer, dataloader, accum_steps, no_syn
     return losses
 
 
+# --------------------------------------------------------------- 06_owners_only: prepare
+def prepare_z2(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon_edu import dmuon
+    from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, is_dedicated
+
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated, reshard_after_forward=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+
+
+def prepare_fully_shard_first(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon_edu import dmuon
+    from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, is_dedicated
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated)
+    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+
+
 MUTATIONS = [
     ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
     ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
@@ -110,6 +137,8 @@ MUTATIONS = [
     ("05_ddp_no_sync", "accumulate_window", step_inside_no_sync),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_every_micro_batch),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_never_syncs),
+    ("06_owners_only", "prepare", prepare_z2),
+    ("06_owners_only", "prepare", prepare_fully_shard_first),
     ("06_z2_z3_training", "train", train_without_no_sync),
     ("06_z2_z3_training", "train", train_steps_inside_no_sync),
 ]

@@ -1,0 +1,39 @@
+"""The cost model's arithmetic on hand-worked numbers, and its bad input. Its predictions
+against what runs count and hold are in tests/test_module6.py (dmuon, ZeRO-1) and
+tests/test_data_parallel.py (DDP, FSDP2)."""
+
+import pytest
+
+from dmuon_edu.course import cost_model
+
+
+def test_a_hand_worked_ddp_row():
+    # 4 ranks, 1000 bytes of parameters, 4 micro-batches, AdamW (s = 2).
+    with_no_sync = cost_model.cost("DDP", P=1000, N=4, k=4, L=2)
+    assert with_no_sync.counted == {"all_reduce": 1000}
+    assert with_no_sync.wire == 1500  # a ring all-reduce sends 2 (N-1)/N = 1.5 of its tensor per rank
+    assert with_no_sync.memory == 1000 + 1000 + 2000
+    assert cost_model.cost("DDP", P=1000, N=4, k=4, L=2, no_sync=False).counted == {"all_reduce": 4000}
+
+
+def test_a_hand_worked_dmuon_z3_row():
+    # P_M = 1200 bytes over 3 layers and 4 ranks, 2 micro-batches, Muon (s = 1), no_sync.
+    z3 = cost_model.cost("dmuon Z3", P=1200, N=4, k=2, L=3, s=1)
+    assert z3.counted == {"broadcast": 4 * 1200, "reduce": 1200}
+    assert z3.parameters == 300 + 300  # its quarter, and the other owners' 3/4 of the running 400-byte layer
+    assert z3.in_flight == 300  # the prefetched layer's
+    assert z3.gradients == 1200 + 300  # every matrix's accumulated gradient, and its own reduced quarter
+    assert z3.wire == 0.75 * (4800 + 1200)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(scheme="ZeRO-4"), "scheme must be one of"),
+    (dict(N=0), "N must be an int >= 1"),
+    (dict(k=2.5), "k must be an int >= 1"),
+    (dict(L=True), "L must be an int >= 1"),
+    (dict(P=0), "P must be a positive number of bytes"),
+])
+def test_bad_input_is_refused_by_name(bad, match):
+    arguments = dict(scheme="DDP", P=1000, N=2, k=4, L=3) | bad
+    with pytest.raises(ValueError, match=match):
+        cost_model.cost(arguments.pop("scheme"), **arguments)
