@@ -1,12 +1,20 @@
-"""Run a script under torchrun from a notebook cell or a test, and never hang.
+"""Run a script under torchrun from a notebook cell or a test: never hang, never leave a process behind.
 
     result = torchrun("train.py", nproc=2, args=["--steps", "10"])
 
 torchrun (``python -m torch.distributed.run``) starts ``nproc`` ranks on this
 machine (``--standalone`` picks a free port). Each rank's output is printed as
 it arrives, tagged ``[rank r]``. If a rank fails, :class:`RankFailedError`
-names the rank torchrun saw fail first and carries its exception. If the job
-outlives ``timeout`` seconds, every process of it is killed.
+names the rank torchrun saw fail first (or the one gloo aborted on a collective
+mismatch: the other ranks' errors follow from it) and carries its exception.
+
+However the call ends (the job finished or failed, it outlived ``timeout``,
+torchrun itself died, Ctrl-C), no process of the job is left when it returns or
+raises. Each launch marks the job's environment with a variable of its own, which
+torchrun, its ranks and their children inherit, so that they are found in
+``/proc`` even after torchrun died and its ranks (each in a session of its own)
+lost their parent. Where there is no ``/proc`` (not Linux), torchrun's process
+group is signalled, and torchrun passes SIGTERM on to its ranks.
 
 Scripts choose their backend with :func:`dmuon_edu.distributed.session`: gloo
 on CPU, NCCL when there is a GPU for every rank. A notebook must not
@@ -16,6 +24,9 @@ which a notebook does not have as a file.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import os
 import queue
 import re
@@ -24,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +49,23 @@ _ROOT_CAUSE = re.compile(
     r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$",
     re.S | re.M)
 _TERMINATE_GRACE_S = 5
+# The output is waited for in pieces: a single wait cannot be longer than threading.TIMEOUT_MAX.
+_WAIT_PIECE_S = 1.0
+# Set, with a value unique to the launch, in the environment of every process of the job.
+_JOB_VARIABLE = "DMUON_EDU_LAUNCH"
 # gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout".
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|collective operation timeout", re.I)
 _SOURCE_LOCATION = re.compile(r"\[[^\]]+\.(?:cc|cpp|h):\d+\] ")
+# An exception thrown on one of gloo's own threads reaches std::terminate, which prints these two lines and aborts:
+#   terminate called after throwing an instance of 'gloo::EnforceNotMet'
+#     what():  [enforce fail at .../gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4.
+#     Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+_NATIVE_ABORT = re.compile(r"^terminate called after throwing an instance of '(gloo::\w+)'")
+_ABORT_WHAT = re.compile(r"^\s*what\(\):\s*(.*)$")
+_COLLECTIVE_MISMATCH = re.compile(r"collective mismatch|doesn't match expected size", re.I)
+# A script that does not compile: Python prints where and the error, without a "Traceback" line above them.
+_COMPILE_ERROR = re.compile(r"^(?:SyntaxError|IndentationError|TabError): ")
+_FILE_LINE = re.compile(r'^\s*File "(.+)", line (\d+)')
 
 
 class RankFailedError(RuntimeError):
@@ -81,13 +107,18 @@ def torchrun(
 ) -> LaunchResult:
     """Run ``script`` on ``nproc`` local ranks with torchrun; return their output, or raise naming the failed rank.
 
+    Every argument is checked before anything starts. However the call ends, every
+    process of the job (torchrun, its ranks and their children) has been stopped
+    when it returns or raises: SIGTERM, then SIGKILL for any still there after 5 s.
+
     Args:
         script: path of the Python file to run on every rank.
         nproc: number of ranks (processes) on this machine, an int >= 1.
-        args: command-line arguments for the script, as a list (``["--steps", "3"]``).
-        timeout: seconds after which the whole job (torchrun and every rank) is killed.
-        env: environment variables to add for the ranks. ``OMP_NUM_THREADS`` defaults
-            to the number of cores divided by ``nproc``.
+        args: command-line arguments for the script, a list (``["--steps", "3"]``) of
+            strings, paths or numbers.
+        timeout: seconds, finite and > 0, after which the whole job is killed.
+        env: environment variables (str to str) to add for the ranks. ``OMP_NUM_THREADS``
+            defaults to the number of cores divided by ``nproc``.
         echo: print each rank's lines as they arrive, tagged ``[rank r]``; a traceback
             shows as its last frame and its exception.
 
@@ -96,44 +127,79 @@ def torchrun(
 
     Raises:
         FileNotFoundError: there is no file at ``script``.
-        ValueError: ``nproc`` is not an int >= 1, or ``timeout`` is not positive.
-        TypeError: ``args`` is one string rather than a list.
-        RankFailedError: a rank failed; the error names it and its exception, or the
-            signal or exit code that ended it.
-        TimeoutError: the job outlived ``timeout``; every process of it was killed.
+        ValueError: ``nproc`` is not an int >= 1, or ``timeout`` is not a finite
+            number > 0.
+        TypeError: ``args`` is one string rather than a list, or holds something other
+            than strings, paths and numbers; ``env`` is not a dict of strings to
+            strings; ``echo`` is not a bool.
+        RankFailedError: a rank failed; the error names it and its exception (a
+            script that does not compile names its SyntaxError), or the signal or exit
+            code that ended it (a native abort in gloo is named as such).
+        TimeoutError: the job outlived ``timeout``.
+        RuntimeError: torchrun itself was killed (by a signal) before its ranks ended.
     """
     script = Path(script)
     if not script.is_file():
         raise FileNotFoundError(f"no script at {script}: pass the path of a .py file")
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive number of seconds, finite, e.g. timeout=300; got {timeout!r}")
     if isinstance(args, (str, bytes, os.PathLike)):
         raise TypeError(f"args must be a list of arguments, e.g. ['--steps', '3'], not one string: got {args!r}")
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"args must be a list of arguments, e.g. ['--steps', '3']; got {args!r}")
+    for i, arg in enumerate(args):
+        if isinstance(arg, bool) or not isinstance(arg, (str, os.PathLike, numbers.Real)):
+            raise TypeError(f"args[{i}] is {arg!r}: pass every argument as a string, a path or a number")
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in env.items())):
+        raise TypeError(f"env must be a dict of strings to strings, e.g. {{'OMP_NUM_THREADS': '1'}}; got {env!r}")
+    if not isinstance(echo, bool):
+        raise TypeError(f"echo must be True or False, got {echo!r}")
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--tee=3", str(script), *map(str, args)]
+    job = uuid.uuid4().hex
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=_rank_environment(nproc, env), start_new_session=True)
+                               env=_rank_environment(nproc, env, job), start_new_session=True)
+    try:
+        return _follow(process, script, nproc, timeout, echo)
+    finally:
+        _end_job(process, job)
+
+
+def _follow(process: subprocess.Popen, script: Path, nproc: int, timeout: float, echo: bool) -> LaunchResult:
+    """Route torchrun's output until it exits; raise for a failed rank, a dead torchrun or the timeout."""
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
-
     result = LaunchResult(returncode=-1)
     deadline = time.monotonic() + timeout
+
+    def timed_out() -> TimeoutError:
+        return TimeoutError(f"{script.name} did not finish within {timeout} s on {nproc} ranks, so every process "
+                            f"of it was killed. Last lines:\n{_tail(result)}")
+
     while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise timed_out()
         try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            line = lines.get(timeout=min(remaining, _WAIT_PIECE_S))
         except queue.Empty:
-            _kill_tree(process)
-            raise TimeoutError(
-                f"{script.name} did not finish within {timeout} s on {nproc} ranks, so every process of it "
-                f"was killed. Last lines:\n{_tail(result)}"
-            ) from None
-        if line is None:
+            continue
+        if line is None:  # torchrun closed its output: it has ended, or is about to
             break
         _route(line.rstrip("\n"), result, echo)
-    result.returncode = process.wait()
+    try:
+        result.returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise timed_out() from None
+    if result.returncode < 0:
+        raise RuntimeError(
+            f"torchrun itself was killed ({_signal_name(-result.returncode)}) while running {script.name} on {nproc} "
+            "ranks, so every process of the job was killed too. Something outside the job ended it: the "
+            f"out-of-memory killer, or a kill command. Last lines:\n{_tail(result)}")
     if result.returncode != 0:
         rank = _failed_rank(result)
         silent = tuple(r for r in range(nproc) if r != rank and not any(
@@ -142,12 +208,13 @@ def torchrun(
     return result
 
 
-def _rank_environment(nproc: int, extra: dict[str, str] | None) -> dict[str, str]:
+def _rank_environment(nproc: int, extra: dict[str, str] | None, job: str) -> dict[str, str]:
     env = dict(os.environ)
     # Without a limit every rank starts one thread per core and they fight over the cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
+    env[_JOB_VARIABLE] = job
     return env
 
 
@@ -195,6 +262,12 @@ def _root_cause(result: LaunchResult) -> re.Match | None:
 
 
 def _failed_rank(result: LaunchResult) -> int | None:
+    # A rank that gloo aborted on a collective mismatch is the cause; the others' errors
+    # ("Connection reset by peer") follow from it, even when torchrun saw one of them first.
+    mismatched = [rank for rank, lines in sorted(result.output.items())
+                  if (abort := _gloo_abort(lines)) and _COLLECTIVE_MISMATCH.search(abort[1])]
+    if mismatched:
+        return mismatched[0]
     match = _root_cause(result)
     if match:
         return int(match.group(1))
@@ -203,7 +276,8 @@ def _failed_rank(result: LaunchResult) -> int | None:
 
 
 def _exception_of(result: LaunchResult, rank: int | None) -> str:
-    """The exception line that ends the rank's last traceback: 'ValueError: ...'."""
+    """What ended the rank, one line: the exception that ends its last traceback ('ValueError: ...'), its
+    SyntaxError, gloo's native abort, or the signal or exit code torchrun reported."""
     lines = result.output.get(rank, []) if rank is not None else []
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     if starts:
@@ -213,15 +287,44 @@ def _exception_of(result: LaunchResult, rank: int | None) -> str:
         named = [line for line in after if _EXCEPTION_LINE.match(line)]
         if named or after:
             return (named or after)[0]
+    compile_errors = [i for i, line in enumerate(lines) if _COMPILE_ERROR.match(line)]
+    if compile_errors:
+        i = compile_errors[-1]
+        where = [match for line in lines[max(0, i - 4):i] if (match := _FILE_LINE.match(line))]
+        return lines[i] + (f" ({where[-1].group(1)}, line {where[-1].group(2)})" if where else "")
+    abort = _gloo_abort(lines)
+    if abort:
+        kind, what = abort
+        if _COLLECTIVE_MISMATCH.search(what):
+            return (f"gloo aborted it (SIGABRT, {kind}: {what}): the ranks called different collectives, or the same "
+                    "collective with tensors of different sizes. Make every rank call the same collectives in the "
+                    "same order with the same shapes; run again with env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'} to "
+                    "have the first collective that differs named, with each rank's shapes")
+        peer = " (another rank exited or crashed first: its output says why)" if "by peer" in what else ""
+        return f"gloo aborted it (SIGABRT, {kind}: {what}){peer}"
     match = _root_cause(result)
     if match is None:
         return f"torchrun exited with {result.returncode} and the rank printed no Python traceback"
     code = match.group(2)
-    signal = match.group(3) or (f"signal {-int(code)}" if int(code) < 0 else None)  # torchrun names only the common ones
-    if signal:
-        return (f"exit code {code} ({signal}), no Python traceback: it was killed by a signal or aborted in "
-                "native code (SIGKILL often means out of memory)")
+    name = match.group(3) or (f"signal {-int(code)}" if int(code) < 0 else None)  # torchrun names only the common ones
+    if name == "SIGKILL":
+        return f"exit code {code} (SIGKILL), no Python traceback: it was killed, most often by the out-of-memory killer"
+    if name == "SIGABRT":
+        return f"exit code {code} (SIGABRT), no Python traceback: it aborted in native code (its output may say where)"
+    if name:
+        return f"exit code {code} ({name}), no Python traceback: it was killed by a signal"
     return f"exit code {code}, no Python traceback: the script called sys.exit or os._exit with it"
+
+
+def _gloo_abort(lines: list[str]) -> tuple[str, str] | None:
+    """(gloo's exception type, its message without the source location) if gloo aborted the rank natively."""
+    for i, line in enumerate(lines):
+        match = _NATIVE_ABORT.match(line)
+        if match:
+            # what() comes right after, unless a line from the rank's other stream landed in between.
+            what = [m.group(1) for later in lines[i + 1:i + 3] if (m := _ABORT_WHAT.match(later))]
+            return match.group(1), _SOURCE_LOCATION.sub("", what[0] if what else "")
+    return None
 
 
 def _tail(result: LaunchResult, n: int = 20) -> str:
@@ -229,43 +332,47 @@ def _tail(result: LaunchResult, n: int = 20) -> str:
     return "\n".join(lines[-n:] + result.launcher_log[-n:])
 
 
-def _kill_tree(process: subprocess.Popen) -> None:
-    # torchrun starts each rank in a session of its own, so killing torchrun's
-    # process group is not enough: find every descendant first.
-    victims = [process.pid, *_descendants(process.pid)]
-    for pid in victims:
-        _signal(pid, signal.SIGTERM)
+def _end_job(process: subprocess.Popen, job: str) -> None:
+    """Stop every process of the job: SIGTERM, up to _TERMINATE_GRACE_S to exit, then SIGKILL."""
+    _signal_job(process, job, signal.SIGTERM)
     try:
-        process.wait(timeout=_TERMINATE_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    for pid in victims + _descendants(process.pid):
-        _signal(pid, signal.SIGKILL)
-    process.wait()
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        while (process.poll() is None or _job_pids(job)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # also after a second Ctrl-C during the grace period
+        _signal_job(process, job, signal.SIGKILL)
+        process.wait()
 
 
-def _descendants(pid: int) -> list[int]:
+def _signal_job(process: subprocess.Popen, job: str, sig: int) -> None:
+    if process.poll() is None:  # until torchrun is reaped, its pid (which names its process group) is not reused
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+    for pid in _job_pids(job):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _job_pids(job: str) -> list[int]:
+    """Pids of the live processes whose environment carries the job's mark; [] where there is no /proc."""
     proc = Path("/proc")
-    if not proc.is_dir():  # not Linux: torchrun forwards SIGTERM to its ranks itself
+    if not proc.is_dir():
         return []
-    children: dict[int, list[int]] = {}
+    mark = f"{_JOB_VARIABLE}={job}".encode()
+    pids = []
     for entry in proc.iterdir():
         if entry.name.isdigit():
             try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                # An exited process that is not yet reaped has an empty environment: it does not count.
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile, or another user's
                 continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    return pids
 
 
-def _signal(pid: int, sig: int) -> None:
+def _signal_name(number: int) -> str:
     try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -5,6 +5,11 @@ and writes its numbers to JSON; the tests below read those numbers.
 """
 
 import json
+import math
+import os
+import re
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import pytest
 from helpers import processes_running
 import torch
 
+from dmuon_edu import launch
 from dmuon_edu.course import grading, notebooks
 from dmuon_edu.course.data_parallel import Problem
 from dmuon_edu.launch import RankFailedError, torchrun
@@ -103,13 +109,107 @@ def test_a_hanging_job_is_killed_at_its_timeout():
     assert processes_running("hang.py") == []
 
 
-def test_bad_launcher_input_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no script at"):
-        torchrun(tmp_path / "missing.py")
-    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
-        torchrun(DIST / "hang.py", nproc=0)
-    with pytest.raises(ValueError, match="timeout must be a positive"):
-        torchrun(DIST / "hang.py", timeout=0)
+@pytest.mark.parametrize("arguments,error,fragment", [
+    ({"script": "missing.py"}, FileNotFoundError, "no script at"),
+    ({"nproc": 0}, ValueError, "nproc must be an int >= 1"),
+    ({"nproc": 1.5}, ValueError, "nproc must be an int >= 1"),
+    ({"nproc": True}, ValueError, "nproc must be an int >= 1"),
+    ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds, finite"),
+    ({"timeout": math.inf}, ValueError, "timeout must be a positive number of seconds, finite"),
+    ({"timeout": math.nan}, ValueError, "timeout must be a positive number of seconds, finite"),
+    ({"timeout": "10"}, ValueError, "timeout must be a positive number of seconds, finite"),
+    ({"args": "--steps 3"}, TypeError, "not one string"),
+    ({"args": {"--steps": 3}}, TypeError, "args must be a list of arguments"),
+    ({"args": ["--steps", None]}, TypeError, "args[1] is None: pass every argument as a string, a path or a number"),
+    ({"args": ["--fast", True]}, TypeError, "args[1] is True"),
+    ({"env": {"OMP_NUM_THREADS": 1}}, TypeError, "env must be a dict of strings to strings"),
+    ({"echo": "no"}, TypeError, "echo must be True or False"),
+], ids=lambda value: ",".join(f"{k}={v!r}" for k, v in value.items()) if isinstance(value, dict) else None)
+def test_bad_launcher_input_is_refused_before_anything_starts(monkeypatch, tmp_path, arguments, error, fragment):
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun started a process before checking its arguments")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", started)
+    arguments = {"script": DIST / "hang.py", **arguments}
+    arguments["script"] = tmp_path / arguments["script"]  # an absolute path stays as it is
+    with pytest.raises(error, match=re.escape(fragment)):
+        torchrun(**arguments)
+
+
+def _alive(pid):
+    """Whether ``pid`` is a running process (an exited one that is not yet reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _when_both_ranks_run(pids, act):
+    """From a thread, call ``act(torchrun's pid)`` once both ranks of sleep_and_record_pid.py wrote their pids."""
+    acted = []
+
+    def wait_then_act():
+        deadline = time.monotonic() + 20  # shorter than the launch's timeout: never act on a later launch
+        while len(list(pids.glob("rank-*"))) < 2:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        acted.append(time.monotonic())
+        act(int((pids / "rank-0").read_text().split()[1]))
+
+    threading.Thread(target=wait_then_act, daemon=True).start()
+    return acted
+
+
+def _ranks_and_torchrun(pids):
+    processes = [tuple(map(int, path.read_text().split())) for path in sorted(pids.glob("rank-*"))]
+    return [pid for pid, _ in processes] + [processes[0][1]]
+
+
+def test_killing_torchrun_itself_leaves_no_rank_behind(tmp_path):
+    acted = _when_both_ranks_run(tmp_path, lambda torchrun_pid: os.kill(torchrun_pid, signal.SIGKILL))
+    with pytest.raises(RuntimeError, match=r"torchrun itself was killed \(SIGKILL\).*every process of the job"):
+        torchrun(DIST / "sleep_and_record_pid.py", nproc=2, args=[tmp_path], echo=False, timeout=30)
+    assert acted and time.monotonic() - acted[0] < 10  # the ranks' 5 s SIGTERM grace, and a margin
+    processes = _ranks_and_torchrun(tmp_path)
+    assert len(processes) == 3 and not any(map(_alive, processes)), processes
+
+
+def test_ctrl_c_stops_every_process_of_the_job(tmp_path):
+    # A real SIGINT to the main thread, where it interrupts the launcher's wait as Ctrl-C in a notebook does.
+    acted = _when_both_ranks_run(tmp_path, lambda _: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        torchrun(DIST / "sleep_and_record_pid.py", nproc=2, args=[tmp_path], echo=False, timeout=30)
+    assert acted and time.monotonic() - acted[0] < 10  # SIGTERM's 5 s grace, and a margin
+    processes = _ranks_and_torchrun(tmp_path)
+    assert len(processes) == 3 and not any(map(_alive, processes)), processes
+
+
+@pytest.mark.parametrize("source,exception", [
+    ("def f(:\n    pass\n", "SyntaxError: "),
+    ("import a_module_that_does_not_exist\n", "ModuleNotFoundError: No module named 'a_module_that_does_not_exist'"),
+], ids=["syntax_error", "import_error"])
+def test_a_script_that_does_not_compile_or_import_is_named_with_its_error(tmp_path, source, exception):
+    script = tmp_path / "broken.py"
+    script.write_text(source)
+    with pytest.raises(RankFailedError) as failure:
+        torchrun(script, nproc=2, echo=False, timeout=60)
+    assert failure.value.rank in (0, 1) and failure.value.exception.startswith(exception), failure.value.exception
+    if exception == "SyntaxError: ":
+        assert failure.value.exception.endswith(f"({script}, line 1)"), failure.value.exception
+    assert str(failure.value).startswith(f"rank {failure.value.rank} failed: {exception}")
+
+
+def test_a_collective_mismatch_that_gloo_aborts_is_named_as_such():
+    with pytest.raises(RankFailedError) as failure:
+        torchrun(DIST / "gloo_mismatch.py", nproc=2, echo=False, timeout=60)
+    message = str(failure.value)
+    assert failure.value.rank == 0, message  # rank 0's buffer is the smaller one: gloo aborts it
+    assert message.startswith("rank 0 failed: gloo aborted it (SIGABRT, gloo::EnforceNotMet: op.preamble.length "
+                              "<= op.nbytes. 8 vs 4. Received data size doesn't match expected size."), message
+    assert "called different collectives" in message and "TORCH_DISTRIBUTED_DEBUG" in message, message
+    assert "memory" not in message and "\n" not in message, message
+    assert processes_running("gloo_mismatch.py") == []
 
 
 def test_session_outside_torchrun_says_how_to_launch(monkeypatch):
@@ -152,7 +252,17 @@ def test_a_rank_that_dies_without_a_traceback_is_named_with_its_own_exit_status(
 ======================================================="""
     aborted = LaunchResult(returncode=1, output={0: ["step 1"], 1: []}, launcher_log=summary.splitlines())
     assert _failed_rank(aborted) == 1
-    assert _exception_of(aborted, 1).startswith("exit code -6 (SIGABRT), no Python traceback")
+    assert _exception_of(aborted, 1) == ("exit code -6 (SIGABRT), no Python traceback: it aborted in native code "
+                                         "(its output may say where)")
+    # gloo's IoException when a peer went away (its text as in gloo's pair.cc; not produced by a test launch here)
+    aborted.output[1] = ["terminate called after throwing an instance of 'gloo::IoException'",
+                         "  what():  [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                         "[127.0.0.1]:51234"]
+    assert _failed_rank(aborted) == 1  # torchrun's root cause: this abort follows from another rank's end
+    assert _exception_of(aborted, 1) == ("gloo aborted it (SIGABRT, gloo::IoException: Connection closed by peer "
+                                         "[127.0.0.1]:51234) (another rank exited or crashed first: its output says why)")
+    killed = LaunchResult(returncode=1, launcher_log=summary.replace("-6 (pid: 21311)  (SIGABRT)", "-9 (pid: 2)  (SIGKILL)").splitlines())
+    assert "out-of-memory killer" in _exception_of(killed, 1)
     exited = LaunchResult(returncode=1, launcher_log=summary.replace("-6 (pid: 21311)  (SIGABRT)", "3 (pid: 2)").splitlines())
     assert _exception_of(exited, 1).startswith("exit code 3, no Python traceback: the script called sys.exit")
     # torchrun names only the signals Python's signal module knows; a real-time one comes bare

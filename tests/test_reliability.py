@@ -23,11 +23,20 @@ Faults injected (tests/dist/reliability_faults.py, 2 ranks, in dmuon training):
 - rank_stops_answering: rank 1 sleeps instead of joining the broadcast; rank 0's
   collective times out after session(timeout_s=5) and RankFailedError says "a collective
   timed out" and names rank 1 as the silent one; no process is left.
-- (tests/test_data_parallel.py: a rank raising before any step, and a job hanging past
-  the launcher's own timeout, killed with its whole process tree.)
+- (tests/test_data_parallel.py: a rank raising before any step, a job hanging past the
+  launcher's own timeout, torchrun itself killed, Ctrl-C, a script that does not compile,
+  a collective mismatch that gloo aborts: every process of the job is gone afterwards.)
 - interrupted save (no torchrun): a process killed (SIGKILL) just before the completion
   marker, and one killed while overwriting a good checkpoint, leave directories that
   checkpoint.load refuses and checkpoint.latest skips.
+
+Checkpoints all or nothing (in this process, and on 2 ranks in the resume launches): a
+byte flipped in tensor data (which torch.distributed.checkpoint alone loads without a
+word) is refused by its checksum, on every rank, also when the checkpoint was saved on
+another world size; a load that fails part-way (a read error after 3 of 4 tensors, a
+shape that differs, a value where the state holds a tensor) raises an Exception and leaves
+every parameter bit for bit as it was; latest() takes the highest step among checkpoints
+that verify, whatever their markers' times; a save that fails leaves no marker.
 
 dmuon misuse that needs several ranks (the rest of the bad-input table is tests/test_bad_input.py):
 a mesh that does not span the process group, stepping inside no_sync, and non-finite

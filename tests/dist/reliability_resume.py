@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
