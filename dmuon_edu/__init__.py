@@ -10,8 +10,10 @@ listed before it; tests/test_layout.py keeps it so):
   a piece of work).
 - ``muon``: Muon on one device, and the Muon/AdamW parameter split.
 - ``distributed``: joining torchrun's process group, a barrier, a rank-0 print, collective counts.
-- ``launch``: torchrun from Python (a notebook cell, a test), with timeouts.
-- ``checkpoint``: torch.distributed.checkpoint with a completion marker.
+- ``launch``: torchrun from Python (a notebook cell, a test), with timeouts, named failures
+  and no process left behind.
+- ``checkpoint``: torch.distributed.checkpoint, all or nothing: a completion marker with the
+  step and every file's checksum, verified before anything is loaded.
 - ``dmuon``: distributed Muon with owner ranks, ``no_sync`` and Z2/Z3
   (``from dmuon_edu import dmuon``).
 

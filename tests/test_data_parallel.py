@@ -18,7 +18,7 @@ from helpers import processes_running
 import torch
 
 from dmuon_edu import launch
-from dmuon_edu.course import grading, notebooks
+from dmuon_edu.course import cost_model, grading, notebooks
 from dmuon_edu.course.data_parallel import Problem
 from dmuon_edu.launch import RankFailedError, torchrun
 
@@ -81,10 +81,39 @@ def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered(res
 
 
 @pytest.mark.parametrize("script", MODULE_5, ids=lambda p: p.stem)
-def test_learner_scripts_are_real_exercises(script):
-    # One rank suffices to reach the stub, and starts faster than two.
-    status = grading.grade_script(notebooks.NOTEBOOKS / "scripts" / script.name, nproc=1)
+def test_learner_scripts_are_real_exercises(script, tmp_path):
+    # A fresh learner copy, not notebooks/scripts/, where a learner works. One rank suffices to reach
+    # the stub, and starts faster than two.
+    learner = tmp_path / script.name
+    learner.write_text(notebooks.learner_script(script.read_text(), script.name))
+    status = grading.grade_script(learner, nproc=1)
     assert status.status == "not attempted", status
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "sync_every_micro_batch"])
+def test_the_cost_model_predicts_what_ddp_counted(results, no_sync):
+    problem = Problem()
+    P = sum(p.numel() * p.element_size() for p in problem.model().parameters())
+    row = "all_reduce, no_sync around forward+backward" if no_sync else "all_reduce, no_sync around backward only"
+    predicted = cost_model.cost("DDP", P=P, N=2, k=problem.accum_steps, L=3, no_sync=no_sync)
+    assert predicted.counted["all_reduce"] == results["05_ddp_no_sync", 2]["collectives"][row][1]
+
+
+@pytest.mark.parametrize("label, no_sync", [("reduce-scatter every micro-batch", False),
+                                            ("gradient sync on the last only", True)])
+def test_the_cost_model_predicts_what_fsdp2_counted_and_kept(results, label, no_sync):
+    problem = Problem()
+    P = sum(p.numel() * p.element_size() for p in problem.model().parameters())
+    result = results["05_fsdp2_accumulation", 2]
+    predicted = cost_model.cost("FSDP2", P=P, N=2, k=problem.accum_steps, L=3, no_sync=no_sync)
+    for op in ("all_gather", "reduce_scatter"):
+        assert predicted.counted[op] == result["collectives"][f"{op}, {label}"][1], (op, predicted)
+    kept = result["measurements"]["gradient bytes kept between micro-batches"]
+    # Without sync a rank keeps the whole gradient; with it, its shard (the model adds the layer in flight).
+    if no_sync:
+        assert predicted.gradients == kept["without sync"]
+    else:
+        assert predicted.gradients - P / 3 == kept["with sync"]
 
 
 # --- the launcher ---------------------------------------------------------------------------
