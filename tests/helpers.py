@@ -26,7 +26,8 @@ def processes_running(script_name):
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if script_name in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                # /proc/PID/cmdline separates the arguments with NUL bytes
+                if script_name in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
                     found.append(int(entry.name))
             except OSError:
                 continue

@@ -357,7 +357,8 @@ def test_no_exercise_is_reported_and_exits_1(tmp_path, capsys):
     assert "01_notes  (notebook)  no exercise" in out and "0 of 0 exercises passed" in out
 
 
-def test_the_cell_timeout_must_be_positive(capsys):
+@pytest.mark.parametrize("timeout", ["0", "inf"])
+def test_the_cell_timeout_must_be_positive_and_finite(capsys, timeout):
     with pytest.raises(SystemExit):
-        cli.main(["check", "--cell-timeout", "0"])
-    assert "a cell timeout is a positive number of seconds, got 0" in capsys.readouterr().err
+        cli.main(["check", "--cell-timeout", timeout])
+    assert f"a cell timeout is a positive, finite number of seconds, got {timeout}" in capsys.readouterr().err

@@ -29,8 +29,8 @@ def select(folder: Path, selector: str | None, pattern: str = "*.ipynb") -> list
 
 def seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"a cell timeout is a positive number of seconds, got {text}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a cell timeout is a positive, finite number of seconds, got {text}")
     return value
 
 
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in todo.edited:
                 print(f"out of date, and changed since the last build (build refuses it): {_shown(NOTEBOOKS / name)}")
             if todo.write or todo.edited:
-                print("notebooks/ is out of date with solutions/: run `make notebooks`", file=sys.stderr)
+                print("notebooks/ is out of date with solutions/: run `make notebooks` (it never overwrites your "
+                      "changes: for a file you changed, `python -m dmuon_edu.course restore NAME` starts it over, "
+                      "keeping a backup, or `make notebooks FORCE=1` rebuilds all, keeping backups)", file=sys.stderr)
                 return 1
             return 0
     except (WorkWouldBeLost, ValueError) as error:  # work that would be lost, a broken manifest, unknown NAME

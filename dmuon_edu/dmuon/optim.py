@@ -30,6 +30,7 @@ already holds every entry a checkpoint load fills.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -130,6 +131,7 @@ class Muon(torch.optim.Optimizer):
         muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                           adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
         adamw_hyper = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        _check_adamw_hyperparameters(adamw_hyper)  # torch.optim.AdamW lets inf through
         # The inner optimizers check the hyperparameters (and accept an empty list).
         self._muon = single_device.Muon([{"params": self._owned}], **muon_hyper)
         self._adamw = torch.optim.AdamW([{"params": others}], **adamw_hyper)
@@ -246,11 +248,11 @@ class Muon(torch.optim.Optimizer):
 def _check_adamw_hyperparameters(h: dict) -> None:
     """What torch.optim.AdamW checks at construction, checked again at every step (a scheduler or a
     state dict may have changed the group since)."""
-    if not h["lr"] >= 0:
-        raise ValueError(f"adamw_lr must be >= 0, got {h['lr']}; 1e-3 is the usual value")
-    if not h["eps"] >= 0:
-        raise ValueError(f"adamw_eps must be >= 0, got {h['eps']}; 1e-8 is the usual value")
-    if not h["weight_decay"] >= 0:
-        raise ValueError(f"adamw_weight_decay must be >= 0, got {h['weight_decay']}; use 0 for none")
+    if not 0 <= h["lr"] < math.inf:
+        raise ValueError(f"adamw_lr must be >= 0 and finite, got {h['lr']}; 1e-3 is the usual value")
+    if not 0 <= h["eps"] < math.inf:
+        raise ValueError(f"adamw_eps must be >= 0 and finite, got {h['eps']}; 1e-8 is the usual value")
+    if not 0 <= h["weight_decay"] < math.inf:
+        raise ValueError(f"adamw_weight_decay must be >= 0 and finite, got {h['weight_decay']}; use 0 for none")
     if not all(0 <= beta < 1 for beta in h["betas"]):
         raise ValueError(f"adamw_betas must both lie in [0, 1), got {h['betas']}; (0.9, 0.999) is the default")
