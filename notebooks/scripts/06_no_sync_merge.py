@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.data_parallel import Traffic, report
 from dmuon_edu.course.dmuon_problem import (
     Problem,
     average_over_ranks,
@@ -82,7 +82,8 @@ def train_window(model, hooks, microbatches, use_no_sync):
             (model(batch).loss / len(microbatches)).backward()
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Train with and without no_sync through the hooks; grade the owners' gradients and the reduces."""
     problem = Problem()
     rows, differences, measurements = {}, [], {}
     for label, use_no_sync in [("no_sync on the first k-1", True), ("no no_sync", False)]:
@@ -119,7 +120,10 @@ with distributed.session() as ranks:
 
     p_m = sum(p.numel() * p.element_size() for p in dedicated.values())
     distributed.print0(f"P_M = {p_m} bytes, k = {problem.accum_steps} micro-batches per optimizer step")
-    report(
+    k, matrices = problem.accum_steps, len(dedicated)
+    mistake = ("merge_and_reduce runs once per matrix in each backward outside no_sync: one dist.reduce of the merged "
+               "gradient there, none inside no_sync (accumulate_locally keeps it)")
+    return report(
         "06_no_sync_merge",
         [max(step) for step in zip(*differences)],
         rows,
@@ -127,4 +131,11 @@ with distributed.session() as ranks:
              "gradient (then set it to None), dist.reduce the sum to the owner with op=dist.ReduceOp.AVG, and add "
              "the result into the owner's p._reduced_grad; leave p.grad None",
         measurements={"P_M": p_m, **measurements},
+        traffic=(Traffic("reduce, no_sync on the first k-1", matrices, p_m, mistake),
+                 Traffic("reduce, no no_sync", k * matrices, k * p_m, mistake)),
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import ADAMW_TOLERANCE, report
+from dmuon_edu.course.data_parallel import ADAMW_TOLERANCE, Traffic, report
 from dmuon_edu.course.dmuon_problem import (
     Problem,
     average_over_ranks,
@@ -50,7 +50,8 @@ def reduce_step_broadcast(dedicated, owners, muon):
     ### END SOLUTION
 
 
-with distributed.session() as ranks:
+def main(ranks):
+    """Train with reduce_step_broadcast after each window; grade the owners' gradients, every copy and the traffic."""
     problem = Problem()
     model = problem.model()
     dedicated = dedicated_parameters(model)
@@ -79,14 +80,18 @@ with distributed.session() as ranks:
     steps = problem.n_windows
     p_m = sum(p.numel() * p.element_size() for p in dedicated.values())
     distributed.print0(f"{len(dedicated)} Muon matrices, P_M = {p_m} bytes, owner of each: {list(owners.values())}")
-    if not max(gradient_differences) < ADAMW_TOLERANCE:
+    # Name the first mistake: at the first step that went wrong, was the owner's gradient already wrong?
+    first = next((i for i, pair in enumerate(zip(parameter_differences, gradient_differences))
+                  if not max(pair) < ADAMW_TOLERANCE), 0)
+    if not gradient_differences[first] < ADAMW_TOLERANCE:
         hint = ("an owner stepped with the wrong gradient: reduce each p.grad to its owner with "
                 "dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.AVG) before muon.step(). (A sum "
                 "instead of an average would hide in the parameters: Newton-Schulz normalises the update's scale)")
     else:
         hint = ("a rank holds stale values: after muon.step(), broadcast each matrix from its owner with "
                 "dist.broadcast(p.detach(), src=owners[name])")
-    report(
+    symmetric_bytes = sum(p.numel() * p.element_size() for p in symmetric)
+    return report(
         "06_reduce_broadcast",
         [max(pair) for pair in zip(parameter_differences, gradient_differences)],
         {op: (counts.calls[op] // steps, counts.bytes[op] // steps) for op in ("reduce", "broadcast", "all_reduce")},
@@ -100,4 +105,18 @@ with distributed.session() as ranks:
                                                                 for p in dedicated.values())),
             "owned bytes": per_rank(sum(p.numel() * p.element_size() for p in owned.values())),
         },
+        traffic=(
+            Traffic("reduce", len(dedicated), p_m,
+                    "reduce each matrix's gradient once per window, to its owner alone (dist.reduce, not all_reduce)"),
+            Traffic("broadcast", len(dedicated), p_m, "broadcast each matrix once per window, from its owner, after muon.step()"),
+            # The symmetric parameters' averaging is the only all_reduce: an all_reduce of the matrices would send
+            # every average to every rank, where only its owner needs it.
+            Traffic("all_reduce", None, symmetric_bytes,
+                    "only the owner needs a matrix's average: dist.reduce(p.grad, dst=owners[name], op=AVG), not all_reduce"),
+        ),
     )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

@@ -101,6 +101,49 @@ def train_steps_inside_no_sync(model, optimizer, dataloader, accum_steps, no_syn
     return losses
 
 
+# --------------------------------------------------------------- 06_reduce_broadcast: reduce_step_broadcast
+def all_reduce_instead_of_reduce(dedicated, owners, muon):
+    for p in dedicated.values():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    muon.step()
+    for name, p in dedicated.items():
+        dist.broadcast(p.detach(), src=owners[name])
+
+
+def summed_not_averaged(dedicated, owners, muon):
+    for name, p in dedicated.items():
+        dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.SUM)
+    muon.step()
+    for name, p in dedicated.items():
+        dist.broadcast(p.detach(), src=owners[name])
+
+
+def broadcast_before_step(dedicated, owners, muon):
+    for name, p in dedicated.items():
+        dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.AVG)
+    for name, p in dedicated.items():
+        dist.broadcast(p.detach(), src=owners[name])
+    muon.step()
+
+
+# --------------------------------------------------------------- 06_no_sync_merge: merge_and_reduce
+def accumulated_not_merged(p, owner):
+    g, p.grad = p.grad, None
+    p._accumulated_grad = None
+    dist.reduce(g, dst=owner, op=dist.ReduceOp.AVG)
+    if dist.get_rank() == owner:
+        p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+
+
+def stored_not_added(p, owner):
+    g, p.grad = p.grad, None
+    if p._accumulated_grad is not None:
+        g, p._accumulated_grad = p._accumulated_grad.add_(g), None
+    dist.reduce(g, dst=owner, op=dist.ReduceOp.AVG)
+    if dist.get_rank() == owner:
+        p._reduced_grad = g
+
+
 # --------------------------------------------------------------- 06_owners_only: prepare
 def prepare_z2(model, mesh):
     from torch.distributed.fsdp import fully_shard
@@ -137,6 +180,11 @@ MUTATIONS = [
     ("05_ddp_no_sync", "accumulate_window", step_inside_no_sync),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_every_micro_batch),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_never_syncs),
+    ("06_reduce_broadcast", "reduce_step_broadcast", all_reduce_instead_of_reduce),
+    ("06_reduce_broadcast", "reduce_step_broadcast", summed_not_averaged),
+    ("06_reduce_broadcast", "reduce_step_broadcast", broadcast_before_step),
+    ("06_no_sync_merge", "merge_and_reduce", accumulated_not_merged),
+    ("06_no_sync_merge", "merge_and_reduce", stored_not_added),
     ("06_owners_only", "prepare", prepare_z2),
     ("06_owners_only", "prepare", prepare_fully_shard_first),
     ("06_z2_z3_training", "train", train_without_no_sync),
