@@ -8,8 +8,6 @@ renamed or deleted test breaks the audit instead of leaving a case unguarded.
 """
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -76,7 +74,6 @@ AUDIT = {
 def _test_exists(reference: str) -> bool:
     module_name, _, test = reference.partition("::")
     name, _, row = test.partition("[")
-    sys.path.insert(0, str(Path(__file__).parent))
     module = importlib.import_module(module_name)
     function = getattr(module, name, None)
     if function is None:

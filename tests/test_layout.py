@@ -26,6 +26,16 @@ LIBRARY_FLOORS = [
 # `python -m dmuon_edu` hands over to the course's command line: the one exempt file.
 EXEMPT = {"__main__"}
 COURSE_ONLY_TOOLS = ["matplotlib", "ipywidgets", "nbformat", "nbclient", "IPython", "jupyter"]
+# Source for a subprocess (after `import importlib.abc, sys`): every course tool raises ModuleNotFoundError.
+BLOCK_COURSE_TOOLS = f"""
+class CourseToolsAbsent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == tool or name.startswith(tool) for tool in {COURSE_ONLY_TOOLS!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)")
+        return None
+
+sys.meta_path.insert(0, CourseToolsAbsent())
+"""
 
 
 def _module_name(path: Path) -> str:
@@ -70,14 +80,7 @@ def test_the_library_imports_without_the_course_tools_and_loads_no_course_module
     probe = f"""
 import importlib, importlib.abc, sys
 
-class CourseToolsAbsent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == tool or name.startswith(tool) for tool in {COURSE_ONLY_TOOLS!r}):
-            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)")
-        return None
-
-sys.meta_path.insert(0, CourseToolsAbsent())
-for module in {modules!r}:
+{BLOCK_COURSE_TOOLS}for module in {modules!r}:
     importlib.import_module(module)
 course = sorted(m for m in sys.modules if m.startswith("dmuon_edu.course"))
 tools = sorted(m for m in sys.modules if any(m.startswith(t) for t in {COURSE_ONLY_TOOLS!r}))
@@ -98,14 +101,7 @@ def test_make_gpu_check_collects_its_tests_and_benchmarks_with_torch_pytest_and_
 import importlib.abc, sys
 import pytest
 
-class CourseToolsAbsent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if any(name == tool or name.startswith(tool) for tool in {COURSE_ONLY_TOOLS!r}):
-            raise ModuleNotFoundError(f"No module named {{name!r}} (made unimportable by the test)")
-        return None
-
-sys.meta_path.insert(0, CourseToolsAbsent())
-sys.path.insert(0, "benchmarks")
+{BLOCK_COURSE_TOOLS}sys.path.insert(0, "benchmarks")
 import run_all
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "cuda", *{gpu_tests!r}]))
 """

@@ -150,6 +150,20 @@ def dedicated_bytes(model):
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if predicate(n, p))
 
 
+def max_difference(model, other):
+    """Max |difference| of any parameter of two dmuon models (full tensors, gathered)."""
+    a, b = full_params(model), full_params(other)
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def step_both_and_compare(trained, resumed):
+    """Train the window of step 2 on both (model, optimizer, scheduler); their max parameter difference after."""
+    mine, _, total = window(2, dist.get_rank(), dist.get_world_size())
+    for model, opt, sched in (trained, resumed):
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+    return max_difference(trained[0], resumed[0])
+
+
 def full_params(model):
     sd = dmuon.get_model_state_dict(model, dmuon.StateDictOptions(full_state_dict=True))
     return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
@@ -344,13 +358,8 @@ def check_public_api(mesh, directory):
     fresh_sched.load_state_dict(sched.state_dict())
     dmuon.set_model_state_dict(fresh, loaded["model"])
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
-    a, b = full_params(model), full_params(fresh)
-    restored = max((a[n] - b[n]).abs().max().item() for n in a)
-    mine, _, total = window(2, rank, world)
-    train_window(model, opt, sched, mine, total, use_no_sync=True)
-    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
-    a, b = full_params(model), full_params(fresh)
-    continued = max((a[n] - b[n]).abs().max().item() for n in a)
+    restored = max_difference(model, fresh)
+    continued = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
 
     # A state dict of gradient-tracking tensors, as named_parameters() gives them.
     torch.manual_seed(7)
@@ -597,8 +606,7 @@ def check_hsdp_publish(mesh, directory):
             mine, _, total = window(step, rank, world)
             train_window(model, opt, sched, mine, total, use_no_sync=True)
         models[replicate_async] = (model, opt, sched)
-    a, b = full_params(models[True][0]), full_params(models[False][0])
-    between_schedules = max((a[n] - b[n]).abs().max().item() for n in a)
+    between_schedules = max_difference(models[True][0], models[False][0])
 
     model, opt, sched = models[True]
     saved = {"model": dmuon.get_model_state_dict(model, cpu_offload=True, rank0_only=False),
@@ -608,12 +616,8 @@ def check_hsdp_publish(mesh, directory):
     fresh_sched.load_state_dict(sched.state_dict())
     dmuon.set_model_state_dict(fresh, saved["model"])
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, saved["optim"])
-    mine, _, total = window(2, rank, world)
-    train_window(model, opt, sched, mine, total, use_no_sync=True)
-    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
-    a, b = full_params(model), full_params(fresh)
     report("hsdp_publish", max_abs_diff_between_schedules=between_schedules,
-           max_abs_diff_after_resume=max((a[n] - b[n]).abs().max().item() for n in a),
+           max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched)),
            owners=sorted(set(dmuon.ownership(model).values())))
 
 
@@ -638,12 +642,8 @@ def check_state_dict(mesh, directory):
     dcp.load(loaded, checkpoint_id=directory)
     dmuon.set_model_state_dict(fresh, loaded["model"])
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
-
-    mine, _, total = window(2, rank, world)
-    train_window(model, opt, sched, mine, total, use_no_sync=True)
-    train_window(fresh, fresh_opt, fresh_sched, mine, total, use_no_sync=True)
-    a, b = full_params(model), full_params(fresh)
-    report("state_dict_roundtrip", max_abs_diff_after_resume=max((a[n] - b[n]).abs().max().item() for n in a),
+    report("state_dict_roundtrip",
+           max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched)),
            lr_after=[g["lr"] for g in fresh_opt.param_groups], lr_expected=[g["lr"] for g in opt.param_groups])
 
 

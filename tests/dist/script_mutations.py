@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon_edu import distributed
+from dmuon_edu.course.dmuon_problem import broadcast_from_owners
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
 
@@ -106,23 +107,20 @@ def all_reduce_instead_of_reduce(dedicated, owners, muon):
     for p in dedicated.values():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     muon.step()
-    for name, p in dedicated.items():
-        dist.broadcast(p.detach(), src=owners[name])
+    broadcast_from_owners(dedicated, owners)
 
 
 def summed_not_averaged(dedicated, owners, muon):
     for name, p in dedicated.items():
         dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.SUM)
     muon.step()
-    for name, p in dedicated.items():
-        dist.broadcast(p.detach(), src=owners[name])
+    broadcast_from_owners(dedicated, owners)
 
 
 def broadcast_before_step(dedicated, owners, muon):
     for name, p in dedicated.items():
         dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.AVG)
-    for name, p in dedicated.items():
-        dist.broadcast(p.detach(), src=owners[name])
+    broadcast_from_owners(dedicated, owners)
     muon.step()
 
 
@@ -145,30 +143,31 @@ def stored_not_added(p, owner):
 
 
 # --------------------------------------------------------------- 06_owners_only: prepare
-def prepare_z2(model, mesh):
+def _prepare(model, mesh, fully_shard_first=False, **dedicate_settings):
     from torch.distributed.fsdp import fully_shard
 
     from dmuon_edu import dmuon
     from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, is_dedicated
 
-    dmuon.dedicate_params(model, mesh, predicate=is_dedicated, reshard_after_forward=False)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    def shard():
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    if fully_shard_first:
+        shard()
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated, **dedicate_settings)
+    if not fully_shard_first:
+        shard()
     return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+
+
+def prepare_z2(model, mesh):
+    return _prepare(model, mesh, reshard_after_forward=False)
 
 
 def prepare_fully_shard_first(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    from dmuon_edu import dmuon
-    from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, is_dedicated
-
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    dmuon.dedicate_params(model, mesh, predicate=is_dedicated)
-    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+    return _prepare(model, mesh, fully_shard_first=True)
 
 
 MUTATIONS = [
