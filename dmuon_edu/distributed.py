@@ -181,19 +181,26 @@ class CollectiveCounts(TorchDispatchMode):
     Bytes are the *full* tensor's (numel x element size), whether this rank
     sends or receives: the largest argument of the call, i.e. the gathered
     output of an all-gather and the input of a reduce-scatter.
+
+    ``.events`` is the timeline: one ``(seconds, name, bytes)`` per call, in issue order,
+    ``seconds`` from ``time.perf_counter()`` when the call was issued (an async call
+    is issued, not finished, at that time).
     """
 
     def __init__(self):
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
+        self.events: list[tuple[float, str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             name = _COLLECTIVE_NAMES.get(func.overloadpacket.__name__)
             if name is not None:
+                nbytes = max((sum(map(_nbytes, _tensors(arg))) for arg in args), default=0)
                 self.calls[name] += 1
-                self.bytes[name] += max((sum(map(_nbytes, _tensors(arg))) for arg in args), default=0)
+                self.bytes[name] += nbytes
+                self.events.append((time.perf_counter(), name, nbytes))
         return func(*args, **(kwargs or {}))
 
 
