@@ -6,11 +6,13 @@ counts are exact: count_collectives counts each call's whole tensor on every ran
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
-from dmuon_edu.course import cost_model, grading, notebooks
-from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, seed_batches
+from dmuon_edu import dmuon
+from dmuon_edu.course import cost_model, grading, notebooks, timeline
+from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, guide_batches
 from dmuon_edu.launch import torchrun
 
 # The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
@@ -19,6 +21,7 @@ ADAMW_TOLERANCE = 1e-5
 
 pytestmark = pytest.mark.torchrun
 
+DIST = Path(__file__).parent / "dist"
 MODULE_6 = sorted(notebooks.SOLUTION_SCRIPTS.glob("06_*.py"))
 NPROC = 2
 K = Problem().accum_steps
@@ -28,12 +31,10 @@ MATRICES = len(dedicated_parameters(Problem().model()))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for script in MODULE_6:
-        path = tmp_path_factory.mktemp("results") / f"{script.stem}.json"
-        torchrun(script, nproc=NPROC, args=[path], echo=False, timeout=180)
-        out[script.stem] = json.loads(path.read_text())
-    return out
+    """Every module 6 solution script, in one launch (tests/dist/run_scripts.py) on 2 ranks."""
+    folder = tmp_path_factory.mktemp("results")
+    torchrun(DIST / "run_scripts.py", nproc=NPROC, args=[folder, *MODULE_6], echo=False, timeout=300)
+    return {script.stem: json.loads((folder / f"{script.stem}.json").read_text()) for script in MODULE_6}
 
 
 @pytest.mark.parametrize("script", [s.stem for s in MODULE_6])
@@ -118,10 +119,10 @@ def test_the_guide_loop_loss_falls(results):
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
 
 
-def test_seed_batches_differ_per_rank_and_repeat_per_call():
-    (x0, y0), = seed_batches(1, rank=0)
-    (x1, _), = seed_batches(1, rank=1)
-    (again, _), = seed_batches(1, rank=0)
+def test_guide_batches_differ_per_rank_and_repeat_per_call():
+    (x0, y0), = guide_batches(1, rank=0)
+    (x1, _), = guide_batches(1, rank=1)
+    (again, _), = guide_batches(1, rank=0)
     assert x0.shape == (32, 16) and y0.shape == (32, 4)
     assert not x0.equal(x1) and x0.equal(again)
 
@@ -134,3 +135,27 @@ def test_learner_scripts_are_real_exercises(script, tmp_path):
     learner.write_text(notebooks.learner_script(script.read_text(), script.name))
     status = grading.grade_script(learner, nproc=1)
     assert status.status == "not attempted", status
+
+
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+def test_no_sync_keeps_p_m_of_gradients_on_every_rank_and_without_it_only_the_owners_share(results, zero3):
+    measured = results["06_z2_z3_training"]["measurements"]["dedicated gradient bytes held during a forward, at most"]
+    mode = "Z3" if zero3 else "Z2"
+    shapes = {name: tuple(p.shape) for name, p in dedicated_parameters(Problem().model()).items()}
+    owners = dmuon.plan_owners(shapes, NPROC)
+    owned = [sum(P_M // MATRICES for name in shapes if owners[name] == rank) for rank in range(NPROC)]
+    assert measured[f"{mode}, no_sync"] == [P_M] * NPROC  # every rank's _accumulated_grad of every matrix
+    assert measured[f"{mode}, no no_sync"] == owned  # each reduce hands the gradient to its owner
+
+
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+def test_the_timeline_shows_z3_broadcasting_in_every_forward_and_backward_and_z2_in_the_first_forward(results, zero3):
+    timelines = results["06_z2_z3_training"]["measurements"]["timeline of the second window"]
+    for rank_timeline in timelines[f"{'Z3' if zero3 else 'Z2'}, no_sync"]:
+        phases = timeline.collectives_by_phase(rank_timeline)
+        # One broadcast per (layer, owner): each of the 3 layers has one matrix on each of the 2 ranks.
+        per_pass = MATRICES
+        assert phases["forward"]["broadcast"] == (K * per_pass if zero3 else per_pass)
+        assert phases["backward"].get("broadcast", 0) == (K * per_pass if zero3 else 0)
+        assert phases["backward"]["reduce"] == per_pass and "reduce" not in phases["forward"]
+        assert [phase for phase, *_ in rank_timeline["spans"]].count("forward") == K * 3  # k micro-batches, 3 layers

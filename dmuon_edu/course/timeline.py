@@ -26,7 +26,7 @@ from torch import nn
 
 from dmuon_edu import distributed
 
-__all__ = ["Timeline", "plot_timeline"]
+__all__ = ["Timeline", "collectives_by_phase", "plot_timeline"]
 
 PHASE_COLOURS = {"forward": "tab:blue", "backward": "tab:orange"}
 COLLECTIVE_COLOURS = {"broadcast": "tab:green", "reduce": "tab:red", "all_reduce": "tab:purple",
@@ -46,8 +46,10 @@ class Timeline:
 
     def __enter__(self) -> Timeline:
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._forward_starts(index)))
-            self._handles.append(layer.register_forward_hook(self._forward_ends(index)))
+            # Ahead of FSDP2's and dmuon's own hooks: the collectives they issue for a layer's forward
+            # fall inside its span, and what they issue once it has run falls after it.
+            self._handles.append(layer.register_forward_pre_hook(self._forward_starts(index), prepend=True))
+            self._handles.append(layer.register_forward_hook(self._forward_ends(index), prepend=True))
         self._counter.__enter__()
         return self
 
@@ -92,6 +94,23 @@ class Timeline:
         origin = min([start for _, _, start, _ in self.spans] + [t for t, _, _ in self.events], default=0.0)
         return {"spans": [[phase, index, start - origin, end - origin] for phase, index, start, end in self.spans],
                 "events": [[t - origin, name, nbytes] for t, name, nbytes in self.events]}
+
+
+def collectives_by_phase(timeline: dict) -> dict[str, dict[str, int]]:
+    """Calls of each collective issued during the forwards, and after them, of a ``Timeline.relative()``.
+
+    A micro-batch's forward runs from its first layer's forward start to its last layer's
+    forward end; everything issued from then until the next micro-batch's forward starts
+    (its backward, and the step) counts as "backward".
+    """
+    spans = [(start, end) for phase, _index, start, end in timeline["spans"] if phase == "forward"]
+    layers = 1 + max(index for phase, index, _start, _end in timeline["spans"] if phase == "forward")
+    forwards = [(spans[i][0], spans[i + layers - 1][1]) for i in range(0, len(spans), layers)]
+    counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for t, name, _nbytes in timeline["events"]:
+        phase = "forward" if any(start <= t <= end for start, end in forwards) or t < forwards[0][0] else "backward"
+        counts[phase][name] = counts[phase].get(name, 0) + 1
+    return counts
 
 
 def plot_timeline(ax, timelines: dict[str, dict], title: str = "") -> None:
