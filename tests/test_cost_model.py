@@ -37,3 +37,23 @@ def test_bad_input_is_refused_by_name(bad, match):
     arguments = dict(scheme="DDP", P=1000, N=2, k=4, L=3) | bad
     with pytest.raises(ValueError, match=match):
         cost_model.cost(arguments.pop("scheme"), **arguments)
+
+
+def test_the_cost_widget_draws_each_schemes_hand_worked_numbers_and_redraws_on_a_change():
+    from dmuon_edu.course.widgets import cost_widget
+
+    widget = cost_widget(N=4, k=2, L=3, no_sync=True)
+    memory, wire = widget.figure.axes
+    tops = {}
+    for bar in memory.patches:  # stacked: parameters, gradients, optimizer state, scheme by scheme
+        x = round(bar.get_x(), 3)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    # DDP (first bar): 1 + 1 + 2 (AdamW) P; dmuon Z3 (fifth), in P_M: the hand-worked row above over 1200
+    # bytes, (600 + 300) + 1500 + 300 (Muon's momentum, a quarter).
+    assert list(tops.values())[0] == pytest.approx(4.0)
+    assert list(tops.values())[4] == pytest.approx((600 + 300 + 1500 + 300) / 1200)
+    assert [bar.get_height() for bar in wire.patches][0] == pytest.approx(1.5)  # 2 (N-1)/N of one all-reduce
+    before = widget.plot.value
+    widget.k.value = 8
+    assert widget.plot.value != before
+    assert "k = 8" in widget.figure.texts[0].get_text()

@@ -18,6 +18,7 @@ import math
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from dmuon_edu.course.cost_model import SCHEMES, cost
 from dmuon_edu.course.pitfalls import DEFAULT_LR, OPTIMIZERS, effective_lr_multiplier, training_curve
 
 __all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget"]
@@ -135,3 +136,60 @@ def lr_scaling_widget(optimizer: str = "sgd", accum_steps: int = 8, scale_loss: 
 def _require_slider_accum_steps(accum_steps) -> None:
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or not 1 <= accum_steps <= MAX_ACCUM_STEPS:
         raise ValueError(f"accum_steps must be between 1 and {MAX_ACCUM_STEPS} (an int), got {accum_steps!r}")
+
+
+MEMORY_PARTS = ("parameters", "gradients", "optimizer state")
+
+
+def cost_figure(N: int, k: int, L: int, no_sync: bool) -> Figure:
+    """Every scheme of the cost model side by side, in units of P (P_M for dmuon): memory and wire bytes per rank.
+
+    AdamW's two moments (s = 2) for DDP, ZeRO-1 and FSDP2; Muon's momentum (s = 1) for dmuon.
+    """
+    costs = {scheme: cost(scheme, P=1.0, N=N, k=k, L=L, no_sync=no_sync, s=1.0 if scheme.startswith("dmuon") else 2.0)
+             for scheme in SCHEMES}
+    figure = Figure(figsize=(9, 3.4), layout="constrained")
+    memory, wire = figure.subplots(1, 2)
+    labels = [scheme.replace(", ", ",\n") for scheme in SCHEMES]
+    bottom = [0.0] * len(SCHEMES)
+    for part in MEMORY_PARTS:
+        heights = [getattr(c, part.replace(" ", "_")) + (c.in_flight if part == "parameters" else 0.0)
+                   for c in costs.values()]
+        memory.bar(labels, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    memory.set(ylabel="bytes per rank / P", title="memory at the peak (activations aside)")
+    memory.legend(fontsize=8)
+    wire.bar(labels, [c.wire for c in costs.values()], color="tab:gray")
+    wire.set(ylabel="bytes sent per rank / P", title="wire bytes per optimizer step")
+    for axes in (memory, wire):
+        axes.tick_params(axis="x", labelsize=7)
+    figure.suptitle(f"N = {N} ranks, k = {k} micro-batches, L = {L} layers, "
+                    f"{'no_sync' if no_sync else 'sync every micro-batch'}", fontsize=10)
+    return figure
+
+
+class CostWidget(widgets.VBox):
+    """Sliders for N, k and L and a no_sync switch, over :func:`cost_figure`."""
+
+    def __init__(self, N: int, k: int, L: int, no_sync: bool):
+        self.N = widgets.IntSlider(value=N, min=1, max=64, description="N ranks")
+        self.k = widgets.IntSlider(value=k, min=1, max=32, description="k micro")
+        self.L = widgets.IntSlider(value=L, min=1, max=48, description="L layers")
+        self.no_sync = widgets.Checkbox(value=no_sync, description="no_sync")
+        self.plot = widgets.Image(format="png")
+        self.figure: Figure | None = None
+        super().__init__([widgets.HBox([self.N, self.k]), widgets.HBox([self.L, self.no_sync]), self.plot])
+        for control in (self.N, self.k, self.L, self.no_sync):
+            control.observe(lambda _: self.redraw(), names="value")
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.figure = cost_figure(self.N.value, self.k.value, self.L.value, self.no_sync.value)
+        png = io.BytesIO()
+        self.figure.savefig(png, format="png")
+        self.plot.value = png.getvalue()
+
+
+def cost_widget(N: int = 8, k: int = 4, L: int = 12, no_sync: bool = True) -> CostWidget:
+    """An app: per-rank memory and wire bytes of DDP, ZeRO-1, FSDP2 and dmuon Z2/Z3 as N, k and L change."""
+    return CostWidget(N, k, L, no_sync)
