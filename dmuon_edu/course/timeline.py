@@ -113,8 +113,16 @@ def collectives_by_phase(timeline: dict) -> dict[str, dict[str, int]]:
     return counts
 
 
-def plot_timeline(ax, timelines: dict[str, dict], title: str = "") -> None:
-    """One lane per timeline (``{label: Timeline.relative()}``): layer spans as bars, collectives as ticks above."""
+def plot_timeline(ax, timelines: dict[str, dict], title: str = "", collectives: Sequence[str] | None = None) -> None:
+    """One lane per timeline (``{label: Timeline.relative()}``): layer spans as bars, collectives as ticks above.
+
+    ``collectives`` names the collectives to draw (all of them when None).
+    """
+    from matplotlib.lines import Line2D  # here, not at the top: the ranks that record a timeline never plot
+    from matplotlib.patches import Patch
+
+    shown = [(t, name) for timeline in timelines.values() for t, name, _ in timeline["events"]
+             if collectives is None or name in collectives]
     for lane, (label, timeline) in enumerate(timelines.items()):
         y = -lane
         for phase, index, start, end in timeline["spans"]:
@@ -122,12 +130,11 @@ def plot_timeline(ax, timelines: dict[str, dict], title: str = "") -> None:
                     edgecolor=PHASE_COLOURS[phase])
             ax.text((start + end) / 2, y, str(index), ha="center", va="center", fontsize=7)
         for t, name, _nbytes in timeline["events"]:
-            ax.plot([t, t], [y + 0.28, y + 0.48], color=COLLECTIVE_COLOURS.get(name, "black"), linewidth=1.5)
-    names = sorted({name for timeline in timelines.values() for _, name, _ in timeline["events"]})
-    handles = [ax.bar(0, 0, color=PHASE_COLOURS[phase], alpha=0.35, label=f"{phase} (layer number)")
-               for phase in PHASE_COLOURS]
-    handles += [ax.plot([], [], color=COLLECTIVE_COLOURS.get(name, "black"), label=f"{name} issued")[0]
-                for name in names]
+            if collectives is None or name in collectives:
+                ax.plot([t, t], [y + 0.28, y + 0.48], color=COLLECTIVE_COLOURS.get(name, "black"), linewidth=1.5)
+    handles = [Patch(color=PHASE_COLOURS[phase], alpha=0.35, label=f"{phase} (layer number)") for phase in PHASE_COLOURS]
+    handles += [Line2D([], [], color=COLLECTIVE_COLOURS.get(name, "black"), label=f"{name} issued")
+                for name in sorted({name for _, name in shown})]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_yticks([-lane for lane in range(len(timelines))], list(timelines))
     ax.set(xlabel="seconds from the first record", title=title)
