@@ -76,6 +76,10 @@ class Timeline:
 
     def _opens(self, phase: str, index: int):
         def hook(_grad):
+            # The layer above's input is this layer's output: one gradient ends that layer's backward and
+            # starts this one's, and this hook, registered first, runs first.
+            for open_phase, open_index in [key for key in self._started if key[0] == phase]:
+                self._close(open_phase, open_index)
             self._started[phase, index] = time.perf_counter()
         return hook
 
