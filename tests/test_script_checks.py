@@ -35,6 +35,16 @@ EXPECTED = {
     "prepare_fully_shard_first": ["already sharded by fully_shard", "call dmuon.dedicate_params(model, mesh, predicate) first"],
     "train_without_no_sync": ["reduce, Z3, no_sync moved 196608 bytes", "4x the traffic", "inside the no_sync(model)"],
     "train_steps_inside_no_sync": ["optimizer.step() inside dmuon.no_sync(model)"],
+    "token_mean_per_micro_batch": ["of its norm away", "the 2024 transformers bug", "all_reduce ran 1 time"],
+    "token_local_count": ["each rank divided by its own token count", "all_reduce the count"],
+    "token_average_not_undone": ["0.50x its norm", "multiply each loss by dist.get_world_size()"],
+    "token_padding_counted": ["0.38x its norm", "the count includes padding"],
+    "guide_loop_drops_leftover": ["samples 64-87 (24 of 88) were never trained on", "(i + 1) % accum_steps",
+                                  "every micro-batch weighted equally"],
+    "equal_weights": ["(DDP)", "(dmuon)", "every micro-batch weighted equally"],
+    "short_window_over_accum_steps": ["step 3's gradient", "0.75x its norm", "as if it held accum_steps = 4"],
+    "local_sample_count": ["each rank divided by its own sample count", "(dmuon)"],
+    "sample_average_not_undone": ["0.50x its norm", "multiply each loss by dist.get_world_size()", "(dmuon)"],
 }
 
 

@@ -21,10 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dmuon_edu.accumulation import IGNORE_INDEX, summed_token_loss
 from dmuon_edu.course.checks import CheckResult
 from dmuon_edu.distributed import print0
 
-__all__ = ["Problem", "Traffic", "report", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE"]
+__all__ = ["Problem", "Traffic", "report", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE",
+           "TokenProblem", "WeightedStep", "weighting_findings"]
 
 # AdamW on both sides. The distributed gradient adds the same terms as the
 # baseline's in another order (per rank, then across ranks): ~1e-7 relative.
@@ -190,3 +192,153 @@ def rank_share(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> t
             "choose a world size that divides it"
         )
     return tuple(t.chunk(world_size)[rank] for t in batch)
+
+# --------------------------------------------------------------- windows weighted by their items (tokens, samples)
+# Module 5's token-weighted exercise and module 6's uneven windows grade how a run weighted
+# its micro-batches. Each known way of weighting them is a weight per (rank, micro-batch) on
+# that micro-batch's gradient; the run's gradient is named by the way whose gradient it is.
+
+
+@dataclass(frozen=True)
+class WeightedStep:
+    """One optimizer step of a single-process reference, and what each known mistake would have stepped with.
+
+    ``gradient`` is the step's full-batch gradient (one backward of the whole window) and
+    ``mistakes`` maps a mistake's description to the gradient it gives, all flattened and at
+    the parameters before the step (the run's own, until its first wrong step).
+    """
+
+    parameters: list[torch.Tensor]  # after the step
+    gradient: torch.Tensor
+    mistakes: dict[str, torch.Tensor]
+
+
+def flat_gradient(params) -> torch.Tensor:
+    """Every parameter's ``.grad``, flattened and concatenated in order."""
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+def microbatch_gradients(params: list[torch.Tensor], losses: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """The flat gradient of each loss in ``losses[rank][micro-batch]``, with respect to ``params``."""
+    return [[torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]) for loss in rank] for rank in losses]
+
+
+def weighted(gradients: list[list[torch.Tensor]], weights: list[list[float]]) -> torch.Tensor:
+    """sum over ranks r and micro-batches i of weights[r][i] * gradients[r][i]."""
+    return sum(w * g for rank_g, rank_w in zip(gradients, weights) for g, w in zip(rank_g, rank_w))
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def weighting_findings(runs: dict[str, tuple[list[torch.Tensor], list[WeightedStep]]]) -> tuple[str, ...]:
+    """Each run's first step whose gradient is not the full-batch one, its cost, and the known mistake it is.
+
+    ``runs`` maps a run's name to (the flat gradient each of its optimizer steps stepped
+    with, its reference). A gradient is right within GRADIENT_RATIO_TOLERANCE of the
+    reference's norm (float32 sums in another order: ~1e-7), and a known mistake's when as
+    close to that one's. Runs wrong at the same step by the same mistake share one finding.
+    """
+    costs: dict[tuple[int, str], list[str]] = {}
+    for run, (stepped, reference) in runs.items():
+        for step, (gradient, expected) in enumerate(zip(stepped, reference), start=1):
+            off = relative_distance(gradient, expected.gradient)
+            if off < GRADIENT_RATIO_TOLERANCE:
+                continue
+            ratio = (gradient.norm() / expected.gradient.norm()).item()
+            named = [mistake for mistake, wrong in expected.mistakes.items()
+                     if relative_distance(gradient, wrong) < GRADIENT_RATIO_TOLERANCE]
+            diagnosis = named[0] if named else ("no known weighting gives it: weight each micro-batch by its share of "
+                                                "the window's items over all ranks, counted with one all_reduce")
+            costs.setdefault((step, diagnosis), []).append(f"{ratio:.2f}x its norm, {off:.0%} of its norm away ({run})")
+            break
+    return tuple(f"step {step}'s gradient against the full-batch one: {'; '.join(cost)}: {diagnosis}"
+                 for (step, diagnosis), cost in costs.items())
+
+
+@dataclass(frozen=True)
+class TokenProblem:
+    """Module 5's token-weighted exercise: micro-batches of padded sequences, uneven in tokens.
+
+    Every rank holds ``sequences`` sequences per micro-batch, each padded to ``max_length``
+    and of a random length from 1 to ``max_length * (rank + 1) / world_size`` tokens (so
+    the ranks differ in tokens by design, not only by chance); the targets of padding are
+    IGNORE_INDEX. So every rank and every micro-batch holds a different number of real
+    tokens. The model predicts each token's successor (3 t + 1 mod vocab) from the token alone.
+    """
+
+    n_windows: int = 3
+    accum_steps: int = 4
+    sequences: int = 3
+    max_length: int = 12
+    vocab: int = 16
+    seed: int = 0
+
+    def model(self) -> nn.Module:
+        """The same freshly initialised model on every call and every rank."""
+        torch.manual_seed(self.seed)
+        return nn.Sequential(nn.Embedding(self.vocab, 32), nn.Tanh(), nn.Linear(32, self.vocab))
+
+    optimizer = Problem.optimizer  # module 5's AdamW
+
+    def windows(self, world_size: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """``windows[w][i][r]``: rank r's (tokens, targets) of micro-batch i of window w."""
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        positions = torch.arange(self.max_length)
+
+        def sequences(rank):
+            longest = self.max_length * (rank + 1) // world_size
+            tokens = torch.randint(self.vocab, (self.sequences, self.max_length), generator=generator)
+            padding = positions >= torch.randint(1, longest + 1, (self.sequences, 1), generator=generator)
+            targets = (3 * tokens + 1) % self.vocab
+            return tokens.masked_fill(padding, 0), targets.masked_fill(padding, IGNORE_INDEX)
+
+        return [[[sequences(rank) for rank in range(world_size)] for _ in range(self.accum_steps)]
+                for _ in range(self.n_windows)]
+
+    def reference_steps(self, world_size: int) -> list[WeightedStep]:
+        """One process that sees each whole window (every rank's sequences) as one batch, every token weighted equally."""
+        model = self.model()
+        params = list(model.parameters())
+        optimizer = self.optimizer(params)
+        steps = []
+        for window in self.windows(world_size):
+            by_rank = list(zip(*window))  # by_rank[r][i]
+            sums = [[summed_token_loss(model(x), y)[0] for x, y in rank] for rank in by_rank]
+            gradients = microbatch_gradients(params, sums)
+            tokens, targets = (torch.cat(parts) for parts in zip(*(part for batch in window for part in batch)))
+            optimizer.zero_grad()
+            loss_sum, count = summed_token_loss(model(tokens), targets)
+            (loss_sum / count).backward()
+            mistakes = {mistake: weighted(gradients, weights)
+                        for mistake, weights in token_mistakes(by_rank, world_size).items()}
+            gradient = flat_gradient(params)
+            optimizer.step()
+            steps.append(WeightedStep([p.detach().clone() for p in params], gradient, mistakes))
+        return steps
+
+
+def token_mistakes(by_rank, world_size: int) -> dict[str, list[list[float]]]:
+    """{mistake: the weight it gives each (rank, micro-batch)'s summed token loss}, once DDP has averaged over the ranks.
+
+    Right is 1 / C for every micro-batch, C the window's non-padding tokens on all ranks.
+    """
+    tokens = [[int((y != IGNORE_INDEX).sum()) for _, y in rank] for rank in by_rank]
+    total = sum(map(sum, tokens))
+    positions = sum(y.numel() for rank in by_rank for _, y in rank)
+    n = len(tokens[0])
+    return {
+        "each micro-batch's mean token loss was weighted equally, the 2024 transformers bug: a token counts more in "
+        "a micro-batch that holds fewer; divide each micro-batch's summed loss by the window's token count":
+            [[1 / (world_size * n * c) for c in rank] for rank in tokens],
+        "each rank divided by its own token count: a token counts more on a rank that holds fewer; all_reduce the "
+        "count so that every rank divides by the window's count over all ranks":
+            [[1 / (world_size * sum(rank))] * n for rank in tokens],
+        f"DDP averaged the ranks' gradients, dividing by the world size ({world_size}) after the division by the "
+        "window's token count: multiply each loss by dist.get_world_size() to undo it":
+            [[1 / (world_size * total)] * n for _ in tokens],
+        "the count includes padding: count only the targets that are not IGNORE_INDEX":
+            [[1 / positions] * n for _ in tokens],
+    }

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import dmuon, muon
 from dmuon_edu.course import data_parallel
@@ -44,6 +45,8 @@ __all__ = [
     "owner_gradient_difference",
     "per_rank",
     "ResidencyProbe",
+    "UnevenProblem",
+    "prepare",
 ]
 
 WIDTH, HIDDEN, LAYERS = 32, 64, 3
@@ -205,3 +208,122 @@ class ResidencyProbe:
 
     def _measure(self, _module, _args) -> None:
         self.peak = max(self.peak, self.held_bytes())
+
+@dataclass(frozen=True)
+class UnevenProblem(Problem):
+    """Module 6's uneven windows: ranks with micro-batches of different sizes, and a short last window.
+
+    The data of :class:`Problem`, cut short: its last window keeps only ``leftover`` of its
+    ``accum_steps`` micro-batches, as when the data does not divide into whole windows. Each
+    global micro-batch of ``global_microbatch`` samples is split over the ranks at random,
+    every rank getting at least one sample and rank r a share that grows with r, so every
+    rank runs the same number of micro-batches, of different sizes.
+    """
+
+    # 3 of accum_steps = 4: a short window divided by accum_steps (3/4x) must not look like a missing 1/W (1/2x).
+    leftover: int = 3
+
+    def windows(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        full = super().windows()
+        return full[:-1] + [full[-1][:self.leftover]]
+
+    def splits(self, world_size: int) -> list[list[list[int]]]:
+        """``splits[w][i][r]``: how many samples of micro-batch i of window w rank r holds."""
+        generator = torch.Generator().manual_seed(self.seed + 2)
+        odds = torch.arange(1.0, world_size + 1)
+
+        def split():
+            # One sample each, then the rest drawn with odds rising by rank: ranks differ by design, not only by chance.
+            drawn = torch.multinomial(odds, self.global_microbatch - world_size, replacement=True, generator=generator)
+            return (1 + drawn.bincount(minlength=world_size)).tolist()
+
+        return [[split() for _ in window] for window in self.windows()]
+
+    def rank_windows(self, world_size: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """``rank_windows(W)[w][i][r]``: rank r's part (x, y) of micro-batch i of window w."""
+        return [[tuple(zip(x.split(sizes), y.split(sizes))) for (x, y), sizes in zip(window, window_splits)]
+                for window, window_splits in zip(self.windows(), self.splits(world_size))]
+
+    def stream(self, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank ``rank``'s micro-batches, in order: what its dataloader yields."""
+        return [batch[rank] for window in self.rank_windows(world_size) for batch in window]
+
+    def reference_steps(self, world_size: int, with_muon: bool) -> list[data_parallel.WeightedStep]:
+        """One process that sees each whole window, short or not, as one batch.
+
+        With ``with_muon``, Muon on the dedicated matrices and AdamW on the rest, and the
+        gradients are the dedicated matrices' (what dmuon's owners step with); otherwise
+        AdamW on everything (as under DDP), and the gradients are every parameter's.
+        """
+        model = self.model()
+        params = list(model.parameters())
+        dedicated = list(dedicated_parameters(model).values())
+        graded = dedicated if with_muon else params
+        optimizers = ([self.muon(dedicated), self.optimizer(symmetric_parameters(model))] if with_muon
+                      else [self.optimizer(params)])
+        steps = []
+        for window, by_batch, window_splits in zip(self.windows(), self.rank_windows(world_size),
+                                                  self.splits(world_size)):
+            by_rank = list(zip(*by_batch))  # by_rank[r][i]
+            means = [[model(batch).loss for batch in rank] for rank in by_rank]
+            gradients = data_parallel.microbatch_gradients(graded, means)
+            mistakes = {mistake: data_parallel.weighted(gradients, weights)
+                        for mistake, weights in self.mistakes(list(zip(*window_splits)))}
+            model(tuple(torch.cat(parts) for parts in zip(*window))).loss.backward()
+            gradient = data_parallel.flat_gradient(graded)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            steps.append(data_parallel.WeightedStep([p.detach().clone() for p in params], gradient, mistakes))
+        return steps
+
+    def mistakes(self, sizes: list[list[int]]) -> list[tuple[str, list[list[float]]]]:
+        """(mistake, the weight it gives each (rank, micro-batch)'s mean loss once the ranks are averaged).
+
+        ``sizes[r][i]`` counts rank r's samples in micro-batch i. Right is n_ri / n, n the
+        window's samples on all ranks.
+        """
+        world_size, microbatches = len(sizes), len(sizes[0])
+        window = sum(map(sum, sizes))
+        full = self.accum_steps * self.global_microbatch
+        return [
+            ("every micro-batch weighted equally, but the ranks' micro-batches hold different numbers of samples: a "
+             "sample counts more in a smaller one; weight each by its share of the window's samples on all ranks",
+             [[1 / (world_size * microbatches)] * microbatches for _ in sizes]),
+            (f"the short window was divided as if it held accum_steps = {self.accum_steps} micro-batches "
+             f"({full} samples) where it holds {microbatches} ({window}): divide by the samples the window holds",
+             [[n / full for n in rank] for rank in sizes]),
+            ("each rank divided by its own sample count: a sample counts more on a rank that holds fewer; all_reduce "
+             "the count so that every rank divides by the window's count over all ranks",
+             [[n / (world_size * sum(rank)) for n in rank] for rank in sizes]),
+            (f"the ranks' gradients were averaged, divided by the world size ({world_size}), after the division by "
+             "the window's sample count: multiply each loss by dist.get_world_size() to undo it",
+             [[n / (world_size * window) for n in rank] for rank in sizes]),
+        ]
+
+    def never_trained(self, steps: int) -> str | None:
+        """Which samples a run of ``steps`` optimizer steps never trained on; None if it took every step."""
+        windows = self.windows()
+        if steps >= len(windows):
+            return None
+        sizes = [sum(len(x) for x, _ in window) for window in windows]
+        first, total = sum(sizes[:steps]), sum(sizes)
+        said = (f"{steps} optimizer steps where the data holds {len(windows)} windows: samples {first}-{total - 1} "
+                f"({total - first} of {total}) were never trained on")
+        if steps < len(windows) - 1:
+            return said
+        return (said + f", the short last window's {len(windows[-1])} micro-batches. The loop of dmuon's accumulation "
+                "guide steps when (i + 1) % accum_steps == 0, which a short last window never reaches: step after "
+                "the stream's last micro-batch too")
+
+
+def prepare(model: nn.Module, mesh, zero3: bool = True, **optimizer_settings) -> dmuon.Muon:
+    """The accumulation guide's set-up: dedicate the matrices, fully_shard each layer then the model, dmuon.Muon.
+
+    ``optimizer_settings`` default to the reference's (MUON_HYPERPARAMETERS, ADAMW_LR).
+    """
+    dmuon.dedicate_params(model, mesh, predicate=is_dedicated, reshard_after_forward=zero3)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return dmuon.Muon(model, **(optimizer_settings or dict(MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)))

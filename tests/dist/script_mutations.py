@@ -10,6 +10,7 @@ one FAILs with the hint that names its mistake.
 """
 
 import importlib.util
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon_edu import distributed
+from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
 from dmuon_edu.course.dmuon_problem import broadcast_from_owners
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
@@ -170,6 +172,194 @@ def prepare_fully_shard_first(model, mesh):
     return _prepare(model, mesh, fully_shard_first=True)
 
 
+# --------------------------------------------------------------- 05_token_weighted_ddp: accumulate_window
+def _token_window(ddp_model, optimizer, microbatches, loss_of):
+    """accumulate_window's steps (no_sync around all but the last micro-batch) with the loss loss_of(loss_sum, targets)."""
+    optimizer.zero_grad()
+    for i, (tokens, targets) in enumerate(microbatches):
+        with contextlib.nullcontext() if i == len(microbatches) - 1 else ddp_model.no_sync():
+            loss_sum, _ = summed_token_loss(ddp_model(tokens), targets)
+            loss_of(loss_sum, targets).backward()
+    optimizer.step()
+
+
+def _over_ranks(count):
+    total = torch.tensor(count)
+    dist.all_reduce(total)
+    return total
+
+
+def _real_tokens(targets):
+    return int((targets != IGNORE_INDEX).sum())
+
+
+def token_mean_per_micro_batch(ddp_model, optimizer, microbatches):
+    _token_window(ddp_model, optimizer, microbatches,
+                  lambda loss_sum, targets: loss_sum / _real_tokens(targets) / len(microbatches))
+
+
+def token_local_count(ddp_model, optimizer, microbatches):
+    count = sum(_real_tokens(targets) for _, targets in microbatches)
+    _token_window(ddp_model, optimizer, microbatches, lambda loss_sum, _: loss_sum / count)
+
+
+def token_average_not_undone(ddp_model, optimizer, microbatches):
+    count = _over_ranks(sum(_real_tokens(targets) for _, targets in microbatches))
+    _token_window(ddp_model, optimizer, microbatches, lambda loss_sum, _: loss_sum / count)
+
+
+def token_padding_counted(ddp_model, optimizer, microbatches):
+    count = _over_ranks(sum(targets.numel() for _, targets in microbatches))
+    _token_window(ddp_model, optimizer, microbatches, lambda loss_sum, _: loss_sum * dist.get_world_size() / count)
+
+
+# --------------------------------------------------------------- 06_uneven_windows: train
+def guide_loop_drops_leftover(model, optimizer, dataloader, accum_steps, no_sync):
+    """The loop of dmuon's accumulation guide, with the no_sync it is given."""
+    for i, batch in enumerate(dataloader):
+        is_accumulating = (i + 1) % accum_steps != 0
+        with no_sync(model) if is_accumulating else contextlib.nullcontext():
+            loss = model(batch).loss / accum_steps
+            loss.backward()
+        if not is_accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _uneven_train(model, optimizer, dataloader, accum_steps, no_sync, weight):
+    """train's steps (every window, the short one too) with each mean loss times weight(window, batch)."""
+    for window in accumulation_windows(dataloader, accum_steps):
+        weights = [weight(window, batch) for batch in window]
+        for i, (batch, w) in enumerate(zip(window, weights)):
+            with contextlib.nullcontext() if i == len(window) - 1 else no_sync(model):
+                (model(batch).loss * w).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _samples(window):
+    return sum(len(x) for x, _ in window)
+
+
+def equal_weights(model, optimizer, dataloader, accum_steps, no_sync):
+    _uneven_train(model, optimizer, dataloader, accum_steps, no_sync, lambda window, _: 1 / len(window))
+
+
+def short_window_over_accum_steps(model, optimizer, dataloader, accum_steps, no_sync):
+    # Each micro-batch weighted within its global micro-batch, and the window taken as accum_steps of them.
+    _uneven_train(model, optimizer, dataloader, accum_steps, no_sync,
+                  lambda _, batch: len(batch[0]) * dist.get_world_size() / _over_ranks(len(batch[0])) / accum_steps)
+
+
+def local_sample_count(model, optimizer, dataloader, accum_steps, no_sync):
+    _uneven_train(model, optimizer, dataloader, accum_steps, no_sync,
+                  lambda window, batch: len(batch[0]) / _samples(window))
+
+
+def sample_average_not_undone(model, optimizer, dataloader, accum_steps, no_sync):
+    _uneven_train(model, optimizer, dataloader, accum_steps, no_sync,
+                  lambda window, batch: len(batch[0]) / _over_ranks(_samples(window)))
+
+
+# --------------------------------------------------------------- 05_bucketed_ddp: BucketedAllReduce
+def wait_right_away(model, bucket_bytes):
+    class Wrong(load(SCRIPTS / "05_bucketed_ddp.py").BucketedAllReduce):
+        def send(self, numel):
+            super().send(numel)
+            self.in_flight[-1][0].wait()
+    return Wrong(model, bucket_bytes)
+
+
+def all_reduce_every_parameter(model, bucket_bytes):
+    class Wrong(load(SCRIPTS / "05_bucketed_ddp.py").BucketedAllReduce):
+        def gradient_ready(self, p):
+            if self.require_sync:
+                self.ready.append(p.grad.view(-1))
+                self.send(p.grad.numel())
+    return Wrong(model, bucket_bytes)
+
+
+def _finish_without(wait=True, divide=True):
+    """The solution's BucketedAllReduce whose finish() skips its waits, or its division by the world size."""
+    class Wrong(load(SCRIPTS / "05_bucketed_ddp.py").BucketedAllReduce):
+        def finish(self):
+            if self.ready:
+                self.send(sum(view.numel() for view in self.ready))
+            for work, bucket, views in self.in_flight:
+                if wait:
+                    work.wait()
+                for view, part in zip(views, bucket.split([view.numel() for view in views])):
+                    view.copy_(part / dist.get_world_size() if divide else part)
+            self.in_flight = []
+    return Wrong
+
+
+def not_waited_before_step(model, bucket_bytes):
+    return _finish_without(wait=False)(model, bucket_bytes)
+
+
+def bucket_sum_not_divided(model, bucket_bytes):
+    return _finish_without(divide=False)(model, bucket_bytes)
+
+
+def sends_every_micro_batch(model, bucket_bytes):
+    class Wrong(load(SCRIPTS / "05_bucketed_ddp.py").BucketedAllReduce):
+        def gradient_ready(self, p):
+            self.require_sync = True
+            super().gradient_ready(p)
+    return Wrong(model, bucket_bytes)
+
+
+# --------------------------------------------------------------- 05_zero1_adamw: ShardedAdamW, shard_bounds
+def full_state_on_every_rank(params, adamw):
+    class Wrong(load(SCRIPTS / "05_zero1_adamw.py").ShardedAdamW):
+        def __init__(self, params, adamw):
+            super().__init__(params, adamw)
+            self.inner = adamw(self.params)
+
+        def step(self):
+            for p in self.params:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+            self.inner.step()
+    return Wrong(params, adamw)
+
+
+def _zero1_step(all_gather=True, average=True):
+    """The solution's step, without its all-gather (each rank keeps its own shard's update only) or its 1/N."""
+    script = load(SCRIPTS / "05_zero1_adamw.py")
+
+    class Wrong(script.ShardedAdamW):
+        def step(self):
+            self.shard.grad = torch.empty_like(self.shard)
+            dist.reduce_scatter_single(self.shard.grad, script.flatten([p.grad for p in self.params], self.padded))
+            if average:
+                self.shard.grad /= dist.get_world_size()
+            self.inner.step()
+            flat = script.flatten([p.detach() for p in self.params], self.padded)
+            if all_gather:
+                dist.all_gather_single(flat, self.shard.detach())
+            else:
+                flat[self.start:self.stop] = self.shard.detach()
+            with torch.no_grad():
+                for p, new in zip(self.params, flat.split([p.numel() for p in self.params])):
+                    p.copy_(new.view_as(p))
+    return Wrong
+
+
+def no_all_gather(params, adamw):
+    return _zero1_step(all_gather=False)(params, adamw)
+
+
+def shard_gradient_summed(params, adamw):
+    return _zero1_step(average=False)(params, adamw)
+
+
+def overlapping_shards(numel, rank, world_size):
+    size = -(-numel // world_size)
+    return rank * (size - 1), rank * (size - 1) + size
+
+
 MUTATIONS = [
     ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
     ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
@@ -188,6 +378,15 @@ MUTATIONS = [
     ("06_owners_only", "prepare", prepare_fully_shard_first),
     ("06_z2_z3_training", "train", train_without_no_sync),
     ("06_z2_z3_training", "train", train_steps_inside_no_sync),
+    ("05_token_weighted_ddp", "accumulate_window", token_mean_per_micro_batch),
+    ("05_token_weighted_ddp", "accumulate_window", token_local_count),
+    ("05_token_weighted_ddp", "accumulate_window", token_average_not_undone),
+    ("05_token_weighted_ddp", "accumulate_window", token_padding_counted),
+    ("06_uneven_windows", "train", guide_loop_drops_leftover),
+    ("06_uneven_windows", "train", equal_weights),
+    ("06_uneven_windows", "train", short_window_over_accum_steps),
+    ("06_uneven_windows", "train", local_sample_count),
+    ("06_uneven_windows", "train", sample_average_not_undone),
 ]
 
 
