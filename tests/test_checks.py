@@ -193,6 +193,74 @@ def test_summed_token_loss_verdicts(candidate, status, hint):
     assert result.status == status and hint in result.message, str(result)
 
 
+def weights_by_tokens(microbatches):
+    counts = [(targets != -100).sum().item() for _, targets in microbatches]
+    return [count / sum(counts) for count in counts]
+
+
+def weights_by_tokens_as_a_tensor(microbatches):
+    counts = torch.stack([(targets != -100).sum() for _, targets in microbatches]).float()
+    return counts / counts.sum()
+
+
+def weights_equal(microbatches):
+    return [1 / len(microbatches) for _ in microbatches]
+
+
+def weights_by_sequences(microbatches):
+    sizes = [len(targets) for _, targets in microbatches]
+    return [size / sum(sizes) for size in sizes]
+
+
+def weights_by_positions(microbatches):
+    sizes = [targets.numel() for _, targets in microbatches]
+    return [size / sum(sizes) for size in sizes]
+
+
+def weights_token_counts(microbatches):
+    return [int((targets != -100).sum()) for _, targets in microbatches]
+
+
+def weights_inverse_token_counts(microbatches):
+    inverse = [1 / int((targets != -100).sum()) for _, targets in microbatches]
+    return [w / sum(inverse) for w in inverse]
+
+
+def weights_one_short(microbatches):
+    return weights_by_tokens(microbatches[:-1])
+
+
+def weights_stub(microbatches):
+    raise NotImplementedError("Exercise: replace this line with your code")
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (weights_by_tokens, "PASS", "full batch's token-mean gradient"),
+        (weights_by_tokens_as_a_tensor, "PASS", "full batch's token-mean gradient"),
+        (weights_equal, "FAIL", r"mean of micro-batch means, the 2024 transformers bug.* \d+% off"),
+        (weights_by_sequences, "FAIL", r"you weight by sequences .* \d+% off"),
+        (weights_by_positions, "FAIL", r"you count padded positions too.* \d+% off"),
+        (weights_token_counts, "FAIL", "the right proportions, but your weights add up to 129"),
+        (weights_inverse_token_counts, "FAIL", r"\d+% off the full batch's token mean: how many tokens"),
+        (weights_one_short, "FAIL", "3 micro-batches, got 2 weights"),
+        (weights_stub, "TODO", "not attempted"),
+    ],
+)
+def test_mean_loss_weights_verdicts(candidate, status, hint):
+    result = run_check("mean_loss_weights", candidate)
+    assert result.status == status and re.search(hint, result.message), str(result)
+
+
+def test_each_named_weighting_mistake_moves_the_gradient_far_beyond_the_tolerance():
+    # The check tells a right answer from a wrong one at GRADIENT_RTOL = 1e-5: every named mistake must be
+    # far outside it (measured 21%, 44% and 42%), and the right weights inside (measured 1.6e-7).
+    for candidate in (weights_equal, weights_by_sequences, weights_by_positions):
+        cost = int(re.search(r"(\d+)% off", run_check("mean_loss_weights", candidate).message).group(1))
+        assert cost >= 10, candidate.__name__
+
+
 # --- module 4 ---------------------------------------------------------------------------------
 
 

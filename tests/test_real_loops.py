@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dmuon_edu import accumulation_windows, summed_token_loss, train, train_step_with_accumulation
-from dmuon_edu.course import pitfalls
+from dmuon_edu.course import amp_pitfalls, pitfalls
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.course.data import MarkovSource, lm_batch
 
@@ -320,6 +320,52 @@ def test_a_scaler_already_used_inside_the_window_is_refused():
     scaler.step(optimizer)  # stepped by hand, update() forgotten
     with pytest.raises(RuntimeError, match="already unscaled or stepped"):
         train_step_with_accumulation(model, optimizer, batches(2), F.mse_loss, scaler=scaler)
+
+
+# --- AMP: what each broken rule does (module 3 shows these) -----------------------------------
+
+
+def _amp_window(loop, data, init_scale=2.0**12, max_grad_norm=1.0):
+    model = make_mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    loop(autocast_forward(model), torch.optim.SGD(model.parameters(), lr=0.1), data, F.mse_loss, scaler, max_grad_norm)
+    return model, scaler
+
+
+def _update(model):
+    return torch.cat([(p - q).detach().flatten() for p, q in zip(model.parameters(), make_mlp().parameters())])
+
+
+def test_clipping_before_unscale_applies_max_norm_over_the_scaled_norm():
+    data = batches(4)
+    reference = make_mlp()
+    F.mse_loss(reference(torch.cat([b[0] for b in data])), torch.cat([b[1] for b in data])).backward()
+    norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+    assert norm < 1.0  # the right loop does not clip, so it applies the whole update
+    right, _ = _amp_window(lambda m, o, b, f, s, c: train_step_with_accumulation(m, o, b, f, scaler=s, max_grad_norm=c), data)
+    wrong, _ = _amp_window(amp_pitfalls.clip_before_unscale, data)
+    fraction = (_update(wrong) @ _update(right) / _update(right).norm() ** 2).item()
+    # clip to 1 / (s * norm), then unscale: the fp16 gradient's norm differs from the fp32 one by ~1e-3
+    assert fraction == pytest.approx(1.0 / (2.0**12 * norm), rel=1e-2)
+
+
+@pytest.mark.parametrize("loop, error, match", [
+    (amp_pitfalls.unscale_every_microbatch, RuntimeError, r"unscale_\(\) has already been called"),
+    (amp_pitfalls.update_every_microbatch, AssertionError, "No inf checks were recorded"),
+])
+def test_grad_scaler_refuses_a_second_unscale_and_an_update_without_a_step(loop, error, match):
+    with pytest.raises(error, match=match):
+        _amp_window(loop, batches(4))
+
+
+def test_an_overflowing_micro_batch_skips_the_window_unless_the_optimizer_is_stepped_by_hand():
+    data = batches(4)
+    data[2] = (data[2][0], 1e4 * data[2][1])  # its scaled gradient passes float16's 65504 at s = 2^12
+    skipped, scaler = _amp_window(lambda m, o, b, f, s, c: train_step_with_accumulation(m, o, b, f, scaler=s, max_grad_norm=c), data)
+    assert all(torch.equal(p, q) for p, q in zip(skipped.parameters(), make_mlp().parameters()))
+    assert scaler.get_scale() == 2.0**11
+    applied, _ = _amp_window(amp_pitfalls.step_without_scaler, data)
+    assert not all(p.isfinite().all() for p in applied.parameters())
 
 
 def test_train_returns_one_loss_per_optimizer_step():

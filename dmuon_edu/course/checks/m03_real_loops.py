@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
+from dmuon_edu.course.data import MarkovSource, lm_batch
+from dmuon_edu.course.threads import one_thread
 
 # (number of batches, accum_steps): divisible, a leftover, fewer batches than N, nothing.
 _WINDOW_CASES = [(8, 4), (10, 4), (3, 5), (7, 1), (0, 2)]
@@ -54,7 +57,105 @@ def _check_summed_token_loss(candidate: Callable) -> tuple[str, str]:
     return "PASS", "the summed loss over real tokens, and their count"
 
 
+# Sequence lengths per micro-batch, chosen so that every weighting below gives other weights:
+# sequences 1 : 4 : 2, predicted tokens 59 : 51 : 19, padded positions 59 : 156 : 22.
+_PADDED_WINDOW = [[60], [5, 5, 5, 40], [12, 9]]
+_VOCAB = 12
+# Two correct weightings differ by float32 rounding of reordered sums (~1e-7 relative); the
+# weightings below move the gradient by more than 10% (tests/test_checks.py measures each).
+GRADIENT_RTOL = 1e-5
+
+
+def _token_weights(microbatches):
+    counts = [int((targets != IGNORE_INDEX).sum()) for _, targets in microbatches]
+    return [count / sum(counts) for count in counts]
+
+
+def _uniform_weights(microbatches):
+    return [1 / len(microbatches)] * len(microbatches)
+
+
+def _sequence_weights(microbatches):
+    sequences = [targets.shape[0] for _, targets in microbatches]
+    return [n / sum(sequences) for n in sequences]
+
+
+def _position_weights(microbatches):
+    positions = [targets.numel() for _, targets in microbatches]
+    return [n / sum(positions) for n in positions]
+
+
+# (weighting, the mistake it is): what a learner's weights are compared with, by their gradient.
+_WEIGHT_MISTAKES = [
+    (_uniform_weights, "every micro-batch weighs 1/N: that is the mean of micro-batch means, the 2024 transformers "
+                       "bug, so a token of a short micro-batch counts more than a token of a long one"),
+    (_sequence_weights, "you weight by sequences (module 1's share of the samples), but a token loss averages over "
+                        "tokens, and these sequences hold different numbers of them"),
+    (_position_weights, "you count padded positions too; only targets != IGNORE_INDEX are predicted tokens"),
+]
+
+
+def _padded_window() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+    """The check's window: three micro-batches of padded sequences, and the same sequences as one batch."""
+    source = MarkovSource.random(_VOCAB, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    groups = [[source.sample(1, n, generator)[0] for n in lengths] for lengths in _PADDED_WINDOW]
+    return [lm_batch(group) for group in groups], lm_batch([s for group in groups for s in group])
+
+
+def _weighted_gradient(weights, microbatches) -> torch.Tensor:
+    """The gradient of sum_i w_i L_i, L_i micro-batch i's mean token loss, for a seeded tiny language model."""
+    with torch.random.fork_rng(devices=[]):  # seeded, without moving the notebook's random stream
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(_VOCAB, 16), torch.nn.Tanh(), torch.nn.Linear(16, _VOCAB))
+    with one_thread():
+        loss = sum(float(w) * _mean_token_loss(model(x), y) for w, (x, y) in zip(weights, microbatches))
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+def _mean_token_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _multiple(got: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """k where ``got`` is k times ``reference`` (up to GRADIENT_RTOL), else None."""
+    k = (got @ reference / reference.norm() ** 2).item()
+    return k if _relative(got, k * reference) < GRADIENT_RTOL else None
+
+
+def _check_mean_loss_weights(candidate: Callable) -> tuple[str, str]:
+    microbatches, (x, y) = _padded_window()
+    weights = candidate(microbatches)
+    try:
+        weights = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        return "FAIL", f"return one number per micro-batch (a list of floats), got {type(weights).__name__}"
+    if len(weights) != len(microbatches):
+        return "FAIL", f"return one weight per micro-batch: {len(microbatches)} micro-batches, got {len(weights)} weights"
+    if not any(weights):
+        return "FAIL", "every weight is 0: no micro-batch reaches the gradient"
+    full = _weighted_gradient([1.0], [(x, y)])
+    got = _weighted_gradient(weights, microbatches)
+    for weighting, mistake in _WEIGHT_MISTAKES:
+        wrong = _weighted_gradient(weighting(microbatches), microbatches)
+        if _multiple(got, wrong) is not None:
+            return "FAIL", f"{mistake}: the window's gradient is {_relative(wrong, full):.0%} off the full batch's"
+    k = _multiple(got, _weighted_gradient(_token_weights(microbatches), microbatches))
+    if k is not None and abs(k - 1) < GRADIENT_RTOL:
+        return "PASS", "the weighted micro-batch means give the full batch's token-mean gradient"
+    if k is not None:
+        return "FAIL", (f"the right proportions, but your weights add up to {sum(weights):.4g}: the gradient is "
+                        f"{k:.4g} times the full batch's; the weights of a mean must add up to 1")
+    return "FAIL", (f"the window's gradient is {_relative(got, full):.0%} off the full batch's token mean: "
+                    "how many tokens does each micro-batch's mean average over, and how many does the window's?")
+
+
 EXERCISES = {
     "accumulation_windows": _check_windows,
+    "mean_loss_weights": _check_mean_loss_weights,
     "summed_token_loss": _check_summed_token_loss,
 }
