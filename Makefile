@@ -23,9 +23,12 @@ $(INSTALLED): pyproject.toml $(CONSTRAINTS)
 	@touch $@
 
 ## Start JupyterLab on the course (prints its URL; opens a browser where there is one).
+# .jupyter/ is the course's own JupyterLab configuration, added to the search path (your ~/.jupyter
+# still applies, and wins): it turns off the "get notified about Jupyter news?" prompt on first open.
+LAB_CONFIG_PATH := $(CURDIR)/.jupyter$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH))
 lab: install
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --ServerApp.default_url=/lab/tree/notebooks \
-		$(if $(filter 0,$(shell id -u)),--allow-root)
+	JUPYTER_CONFIG_PATH="$(LAB_CONFIG_PATH)" $(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+		--ServerApp.default_url=/lab/tree/notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## The whole suite, stage by stage, with the time each stage took.
 test:

@@ -1,6 +1,10 @@
 """The project's set-up files agree with each other."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -58,3 +62,24 @@ def test_torch_is_pinned_to_the_cpu_build():
 
 def _version(text):
     return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+NEWS_PROMPT = "@jupyterlab/apputils-extension:announcements"  # asks "get notified about Jupyter news?"
+
+
+def test_make_lab_opens_without_the_news_prompt_and_leaves_the_home_directory_alone(tmp_path):
+    command = subprocess.run(["make", "-n", "--no-print-directory", "lab"], cwd=ROOT, capture_output=True,
+                             text=True, check=True, env={**os.environ, "JUPYTER_CONFIG_PATH": ""}).stdout
+    config_path = re.search(r'JUPYTER_CONFIG_PATH="([^"]*)" \S*jupyter lab', command).group(1)
+    assert config_path == str(ROOT / ".jupyter")  # the project's configuration, in the project
+    home = tmp_path / "home"
+    home.mkdir()
+    # The page configuration that JupyterLab serves, read as its server reads it, with this environment.
+    page_config = subprocess.run(
+        [sys.executable, "-c", "import json; from jupyterlab_server.config import get_static_page_config; "
+                               "print(json.dumps(get_static_page_config()))"],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "HOME": str(home), "JUPYTER_CONFIG_PATH": config_path,
+             "JUPYTER_CONFIG_DIR": str(home / ".jupyter")}).stdout
+    assert json.loads(page_config)["disabledExtensions"][NEWS_PROMPT] is True
+    assert list(home.iterdir()) == []
