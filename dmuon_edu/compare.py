@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -23,7 +24,9 @@ def max_parameter_difference(
             (matched by key), or two sequences of tensors (matched by position).
 
     Returns:
-        The largest difference, as a float (0.0 for identical runs).
+        The largest difference, as a float (0.0 for identical runs); ``inf`` where
+        either side holds a NaN or an infinity: a run that diverged never compares
+        as equal, nor drops out of a ``max`` over steps.
 
     Raises:
         TypeError: a single tensor, or something that holds non-tensors, was passed.
@@ -41,7 +44,10 @@ def max_parameter_difference(
     for index, (x, y) in enumerate(zip(tensors_a, tensors_b)):
         if x.shape != y.shape:
             raise ValueError(f"parameter {index} has shape {tuple(x.shape)} in one model and {tuple(y.shape)} in the other")
-        largest = max(largest, (x.detach().float() - y.detach().float().to(x.device)).abs().max().item())
+        difference = (x.detach().float() - y.detach().float().to(x.device)).abs().max().item()
+        if math.isnan(difference):  # NaN - anything, or inf - inf
+            return math.inf
+        largest = max(largest, difference)
     return largest
 
 
