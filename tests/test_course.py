@@ -159,13 +159,11 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
             f"cell without stored output: run `make solutions`:\n{cell.source[:200]}"
         )
     exercises = [i for i, cell in enumerate(code_cells) if notebooks.BEGIN in cell.source]
-    scripts = sorted(notebooks.SOLUTION_SCRIPTS.glob(f"{path.name[:2]}_*.py"))
-    assert exercises or scripts, "a module has at least one exercise, in its notebook or in its scripts"
+    scripts = _checked_scripts(path)
+    assert exercises or scripts, "a notebook has at least one exercise, in its cells or in the scripts it checks"
     for script in scripts:
+        assert script.name[:2] == path.name[:2], f"{path.name} checks {script.name}, another module's script"
         assert notebooks.BEGIN in script.read_text(), f"{script.name} has no exercise block"
-        assert any(f'check_script("scripts/{script.name}"' in cell.source for cell in code_cells), (
-            f"{path.name} never runs scripts/{script.name} with check_script"
-        )
     for i in exercises:
         following = code_cells[i + 1].source if i + 1 < len(code_cells) else ""
         check = grading.CHECK_CALL.search(following)
@@ -173,6 +171,22 @@ def test_solution_notebooks_are_clean_and_every_exercise_is_checked(path):
         # The grader checks the function named as the exercise, whatever the check cell passes.
         name = check.group(1)
         assert re.fullmatch(rf'check\("{name}", {name}\)', following.strip()), following
+
+
+def _checked_scripts(path):
+    """The exercise scripts a notebook runs with check_script (each must exist)."""
+    cells = nbformat.read(path, as_version=4).cells
+    names = re.findall(r'check_script\("scripts/(\w+\.py)"', "".join(c.source for c in cells if c.cell_type == "code"))
+    return [notebooks.SOLUTION_SCRIPTS / name for name in names]
+
+
+def test_every_exercise_script_is_checked_by_exactly_one_notebook_of_its_module():
+    checked = sorted({(script.name, path.name) for path in SOLUTION_NOTEBOOKS for script in _checked_scripts(path)})
+    names = [name for name, _ in checked]
+    missing = [script.name for script in sorted(notebooks.SOLUTION_SCRIPTS.glob("*.py")) if script.name not in names]
+    assert not missing, f"no notebook runs these scripts with check_script: {missing}"
+    assert all((notebooks.SOLUTION_SCRIPTS / name).exists() for name in names), checked
+    assert len(names) == len(set(names)), f"a script is checked by two notebooks: {checked}"
 
 
 # nbval reads NBVAL_IGNORE_OUTPUT as a source comment, or as this cell metadata tag.
