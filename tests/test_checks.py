@@ -48,8 +48,8 @@ def learner_zero_grad_in_loop(model, optimizer, microbatches, loss_fn):
     return total
 
 
-def learner_seed_reference(model, optimizer, microbatches, loss_fn):
-    """The accumulation exercise's reference solution: right for equal sizes, 1/N for unequal ones."""
+def learner_one_over_n(model, optimizer, microbatches, loss_fn):
+    """The exercise's own instructions: every loss divided by N (its micro-batches are of equal size)."""
     optimizer.zero_grad()
     n = len(microbatches)
     total_loss = 0.0
@@ -73,6 +73,17 @@ def learner_logs_scaled_loss(model, optimizer, microbatches, loss_fn):
     return total / len(microbatches)
 
 
+def learner_hard_wired_n(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    total = 0.0
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t)
+        (loss / 4).backward()
+        total += loss.item() / 4
+    optimizer.step()
+    return total
+
+
 def learner_stub(model, optimizer, microbatches, loss_fn):
     raise NotImplementedError("Exercise: replace this line with your code")
 
@@ -87,8 +98,9 @@ def learner_crashes(model, optimizer, microbatches, loss_fn):
         (learner_correct, "PASS", "equals one full-batch step"),
         (learner_no_scaling, "FAIL", "N times too large"),
         (learner_zero_grad_in_loop, "FAIL", "zero_grad\\(\\) is inside the micro-batch loop"),
-        (learner_seed_reference, "FAIL", "unequal size .* share of the samples"),
+        (learner_one_over_n, "PASS", "equals one full-batch step"),
         (learner_logs_scaled_loss, "FAIL", "returned loss is N times too small"),
+        (learner_hard_wired_n, "FAIL", "differ from one full-batch step"),
         (learner_stub, "TODO", "not attempted"),
         (learner_crashes, "FAIL", "raised TypeError"),
     ],
@@ -120,6 +132,73 @@ def test_unknown_exercise_and_non_callable_are_refused():
         run_check("no_such_exercise", learner_correct)
     with pytest.raises(TypeError, match="pass your function itself"):
         run_check("train_step_with_accumulation", 1.0)
+
+
+# module 1, microbatch_weights: the weights learners derive, right and wrong.
+
+
+def weights_share(sizes):
+    return [n / sum(sizes) for n in sizes]
+
+
+def weights_share_as_a_tensor(sizes):
+    counts = torch.tensor(sizes, dtype=torch.float32)
+    return counts / counts.sum()
+
+
+def weights_one_over_n(sizes):
+    return [1 / len(sizes) for _ in sizes]
+
+
+def weights_counts(sizes):
+    return [float(n) for n in sizes]
+
+
+def weights_counts_over_n(sizes):
+    return [n / len(sizes) for n in sizes]
+
+
+def weights_inverse(sizes):
+    return [1 / n for n in sizes]
+
+
+def weights_written_out_for_the_example(sizes):
+    return [3 / 16, 5 / 16, 8 / 16]
+
+
+def weights_share_of_the_largest(sizes):
+    return [n / max(sizes) for n in sizes]
+
+
+def weights_one_number(sizes):
+    return 1 / sum(sizes)
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (weights_share, "PASS", "full batch's mean gradient"),
+        (weights_share_as_a_tensor, "PASS", "full batch's mean gradient"),
+        (weights_one_over_n, "FAIL", r"\d+% off the full batch's: every micro-batch has weight 1/N"),
+        (weights_counts, "FAIL", r"\d+% off the full batch's: the weights are the sample counts"),
+        (weights_counts_over_n, "FAIL", r"\d+% off the full batch's: the weights are n_i / N"),
+        (weights_inverse, "FAIL", r"\d+% off the full batch's: the weights are 1 / n_i"),
+        (weights_written_out_for_the_example, "FAIL", r"for sizes \[1, 2, 7, 6\], a list of 4 numbers"),
+        (weights_share_of_the_largest, "FAIL", r"\d+% off the full batch's; write the full-batch mean loss"),
+        (weights_one_number, "FAIL", "return one weight per micro-batch"),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_microbatch_weights_verdicts(candidate, status, hint):
+    result = run_check("microbatch_weights", candidate)
+    assert result.status == status and re.search(hint, result.message), str(result)
+
+
+def test_microbatch_weights_hint_states_the_measured_cost():
+    # 1/N on sizes 3, 5, 8 is not a rounding error: the hint's percentage is the measured distance
+    # of the accumulated gradient from the full batch's (25% on the check's seeded problem).
+    message = run_check("microbatch_weights", weights_one_over_n).message
+    assert int(re.search(r"(\d+)% off", message).group(1)) >= 10, message
 
 
 # --- module 3 ---------------------------------------------------------------------------------

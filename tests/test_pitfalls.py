@@ -69,13 +69,42 @@ def test_invariance_breaks_where_the_notebook_says():
     # AdamW's eps dominates a small gradient: a large eps makes AdamW behave like SGD
     # (measured 5.9 of SGD's 8; an AdamW that ignored eps would stay at 1).
     assert pitfalls.effective_lr_multiplier("adamw", n, eps=1.0) > 2
-    # Coupled weight decay (SGD's) is not multiplied by N: the multiplier falls below N
-    # (measured 1.03: a decay of 10 dominates the gradient).
-    assert 1 < pitfalls.effective_lr_multiplier("sgd", n, weight_decay=10.0) < n - 1
-    # Decoupled weight decay (AdamW's, Muon's) is not part of the gradient: still about 1.
-    assert pitfalls.effective_lr_multiplier("adamw", n, weight_decay=0.5) == pytest.approx(1, abs=1e-3)
+    # At a realistic decay the update size does not show the decay at all (measured 7.998 of 8).
+    assert pitfalls.effective_lr_multiplier("sgd", n, weight_decay=5e-4) == pytest.approx(n, rel=1e-3)
     # Clipping the gradient to a norm both runs exceed hides the bug from SGD entirely.
     assert pitfalls.effective_lr_multiplier("sgd", n, max_grad_norm=1e-3) == pytest.approx(1, rel=1e-5)
+
+
+@pytest.mark.parametrize("weight_decay", [5e-4, 1e-2])
+@pytest.mark.parametrize("optimizer, expected", [("sgd", 1 / 8), ("momentum", 1 / 8), ("adamw", 1.0), ("muon", 1.0)])
+def test_an_unscaled_loss_weakens_coupled_decay_n_times_and_leaves_decoupled_decay(optimizer, expected, weight_decay):
+    # SGD's first step is lr (N g + wd w) against lr (g + wd w): decay's share falls by exactly N.
+    # AdamW's and Muon's decay (lr wd w) is outside the normalised gradient part: its share stays.
+    # The decay part is the difference of two float32 updates of which it is ~1e-3 (relative
+    # rounding ~1e-7 / 1e-3 = 1e-4; measured 2e-4 at most); a share that did not change for SGD, or
+    # changed N-fold for AdamW, is off by 7/8.
+    strength = pitfalls.relative_decay_strength(optimizer, 8, weight_decay)
+    assert strength == pytest.approx(expected, rel=1e-3)
+
+
+def test_relative_decay_strength_needs_a_decay():
+    with pytest.raises(ValueError, match="weight_decay must be > 0"):
+        pitfalls.relative_decay_strength("sgd", 8, 0.0)
+
+
+def test_step_gradient_norms_logs_what_each_step_saw():
+    torch.manual_seed(3)
+    window = [(torch.randn(3, 4), torch.randn(3, 2)) for _ in range(4)]
+    model = make_matrix_model()
+    # The reference: the full window's mean-loss gradient, by autograd directly.
+    x, y = torch.cat([a for a, _ in window]), torch.cat([b for _, b in window])
+    expected = torch.cat([g.flatten() for g in torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))]).norm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: both windows start from the same weights
+    norms = pitfalls.step_gradient_norms(train_step_with_accumulation, model, optimizer, [window, window], F.mse_loss)
+    assert norms == pytest.approx([expected.item()] * 2, rel=1e-5)  # float32 summation order
+    assert pitfalls.step_gradient_norms(pitfalls.zero_grad_between_backward_and_step, model, optimizer, [window], F.mse_loss) == [0.0]
+    assert len(pitfalls.step_gradient_norms(pitfalls.step_every_microbatch, model, optimizer, [window], F.mse_loss)) == 4
+    assert not optimizer._optimizer_step_pre_hooks, "the logging hook is removed afterwards"
 
 
 @pytest.mark.parametrize(
@@ -322,6 +351,61 @@ def learner_epoch_zero_grad_every_batch(model, optimizer, batches, loss_fn, accu
 )
 def test_epoch_check_names_each_leftover_bug(candidate, status, hint):
     result = run_check("train_epoch", candidate)
+    assert result.status == status, str(result)
+    assert re.search(hint, result.message), str(result)
+
+
+# scaled_loss_lr: the learning rates learners derive, right and wrong.
+
+
+def lr_right(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr * accum_steps if optimizer in ("sgd", "momentum") else unscaled_lr
+
+
+def lr_unchanged(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr
+
+
+def lr_times_n_everywhere(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr * accum_steps
+
+
+def lr_over_n(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr / accum_steps
+
+
+def lr_momentum_taken_for_normalising(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr * accum_steps if optimizer == "sgd" else unscaled_lr
+
+
+def lr_muon_taken_for_sgd(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr if optimizer == "adamw" else unscaled_lr * accum_steps
+
+
+def lr_hard_wired_to_n_8(optimizer, unscaled_lr, accum_steps):
+    return unscaled_lr * 8 if optimizer in ("sgd", "momentum") else unscaled_lr
+
+
+def lr_not_a_number(optimizer, unscaled_lr, accum_steps):
+    return str(unscaled_lr)
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (lr_right, "PASS", "takes the unscaled loop's steps"),
+        (lr_unchanged, "FAIL", r"^sgd with N = 4: .*\(the unscaled loop's learning rate unchanged\).*SGD's step is lr x gradient"),
+        (lr_times_n_everywhere, "FAIL", r"^adamw with N = 4: .*\(N times the unscaled loop's learning rate\).*m and sqrt\(v\) alike"),
+        (lr_over_n, "FAIL", r"^sgd with N = 4: .*\(the unscaled loop's learning rate / N\)"),
+        (lr_momentum_taken_for_normalising, "FAIL", r"^momentum with N = 4: .*N-times buffer"),
+        (lr_muon_taken_for_sgd, "FAIL", r"^muon with N = 4: .*divid(ing|es) its input by its norm"),
+        (lr_hard_wired_to_n_8, "FAIL", r"^sgd with N = 4: the unscaled loop ran at lr 0.025; your answer 0.2 makes the correct loop's loss .* where the unscaled"),
+        (lr_not_a_number, "FAIL", "return a learning rate, a number > 0"),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
+def test_lr_check_names_the_wrong_derivation_and_its_cost(candidate, status, hint):
+    result = run_check("scaled_loss_lr", candidate)
     assert result.status == status, str(result)
     assert re.search(hint, result.message), str(result)
 

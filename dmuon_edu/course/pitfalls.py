@@ -5,7 +5,8 @@ Each window-level function has the signature of
 one (``*_leftover_window``) runs a whole list of batches with ``accum_steps``.
 Each makes exactly one mistake. The course runs them to show what each mistake does to the
 update, and :mod:`dmuon_edu.course.checks` runs them to recognise a learner's mistake
-by its effect.
+by its effect. :func:`step_gradient_norms` is what a training log that records
+the gradient norm at every step would show for any of them.
 
 :class:`GradOverwritingMuon` is a Muon that writes its Nesterov blend into
 ``p.grad``, as Keller Jordan's does: with it, a misplaced ``zero_grad`` leaks
@@ -13,7 +14,8 @@ the blend, not the raw gradient, into the next window.
 
 :func:`effective_lr_multiplier` measures the most surprising effect of the
 unscaled loss: an N-times learning rate for SGD, almost nothing for AdamW and
-Muon. :func:`training_curve` shows it over a short run.
+Muon. :func:`relative_decay_strength` measures what it does to weight decay,
+and :func:`training_curve` shows it over a short run.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ __all__ = [
     "drop_leftover_window",
     "underweight_leftover_window",
     "GradOverwritingMuon",
+    "step_gradient_norms",
     "OPTIMIZERS",
     "make_optimizer",
     "effective_lr_multiplier",
+    "relative_decay_strength",
     "training_curve",
 ]
 
@@ -188,6 +192,25 @@ def underweight_leftover_window(model, optimizer, batches, loss_fn, accum_steps)
             optimizer.zero_grad()
 
 
+def step_gradient_norms(step_fn: Callable, model, optimizer, windows, loss_fn) -> list[float]:
+    """The gradient norm each ``optimizer.step()`` call sees while ``step_fn`` runs ``windows``: what a training log records.
+
+    A parameter whose ``.grad`` is None (after ``zero_grad``) counts as a zero gradient.
+    """
+    norms = []
+
+    def log_norm(*_):
+        norms.append(math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters() if p.grad is not None)))
+
+    handle = optimizer.register_step_pre_hook(log_norm)
+    try:
+        for window in windows:
+            step_fn(model, optimizer, window, loss_fn)
+    finally:
+        handle.remove()
+    return norms
+
+
 # --- a Muon that overwrites p.grad --------------------------------------------------------
 
 
@@ -281,13 +304,38 @@ def effective_lr_multiplier(
     require_max_grad_norm(max_grad_norm)
     if "lr" in hyper and not hyper["lr"] > 0:
         raise ValueError(f"lr must be > 0, got {hyper['lr']}: the multiplier is a ratio of update sizes, and lr = 0 moves nothing")
-    inputs, targets = _regression_data(accum_steps * MICROBATCH_SIZE, seed=accum_steps)
-    microbatches = list(zip(inputs.split(MICROBATCH_SIZE), targets.split(MICROBATCH_SIZE)))
+    full_batch, microbatches = _first_step_data(accum_steps)
     step_fn = train_step_with_accumulation if scale_loss else unscaled_loss
     with one_thread():
-        full_batch = _first_update(train_step_with_accumulation, [(inputs, targets)], optimizer, max_grad_norm, hyper)
+        full_batch_update = _first_update(train_step_with_accumulation, full_batch, optimizer, max_grad_norm, hyper)
         measured = _first_update(step_fn, microbatches, optimizer, max_grad_norm, hyper)
-    return (measured.norm() / full_batch.norm()).item()
+    return (measured.norm() / full_batch_update.norm()).item()
+
+
+def relative_decay_strength(optimizer: str, accum_steps: int, weight_decay: float, **hyper) -> float:
+    """Weight decay's strength next to the gradient with unscaled losses, as a fraction of its strength with correct ones.
+
+    The first update of :func:`effective_lr_multiplier`'s problem splits into a
+    gradient part (the update with ``weight_decay=0``) and a decay part (the
+    update with ``weight_decay`` minus the gradient part); the strength is
+    ``||decay part|| / ||gradient part||``. SGD's decay is added to the gradient
+    after the backward, so the unscaled loss multiplies only the gradient part:
+    about 1/N. AdamW's and Muon's decay is decoupled and their gradient part is
+    normalised: about 1.
+    """
+    _require_optimizer_name(optimizer)
+    require_accum_steps(accum_steps)
+    if not 0 < weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be > 0 and finite, got {weight_decay}: with no decay there is no strength to compare")
+    full_batch, microbatches = _first_step_data(accum_steps)
+
+    def strength(step_fn, window):
+        gradient_part = _first_update(step_fn, window, optimizer, None, {**hyper, "weight_decay": 0.0})
+        decayed = _first_update(step_fn, window, optimizer, None, {**hyper, "weight_decay": weight_decay})
+        return (decayed - gradient_part).norm() / gradient_part.norm()
+
+    with one_thread():
+        return (strength(unscaled_loss, microbatches) / strength(train_step_with_accumulation, full_batch)).item()
 
 
 def training_curve(
@@ -323,6 +371,12 @@ def training_curve(
             if not math.isfinite(losses[-1]):
                 return losses + [math.nan] * (steps - len(losses))
     return losses
+
+
+def _first_step_data(accum_steps: int):
+    """One window of ``accum_steps`` micro-batches of :data:`MICROBATCH_SIZE` samples, as one full batch and as micro-batches."""
+    inputs, targets = _regression_data(accum_steps * MICROBATCH_SIZE, seed=accum_steps)
+    return [(inputs, targets)], list(zip(inputs.split(MICROBATCH_SIZE), targets.split(MICROBATCH_SIZE)))
 
 
 def _first_update(step_fn: Callable, microbatches, optimizer: str, max_grad_norm, hyper) -> torch.Tensor:

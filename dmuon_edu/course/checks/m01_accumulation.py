@@ -20,7 +20,7 @@ _STEP_MISTAKES = [
     (
         pitfalls.unscaled_loss,
         "the update is N times too large: each micro-batch loss must be divided by the number of "
-        "micro-batches (its share of the samples) before .backward(), because .backward() adds into .grad",
+        "micro-batches before .backward(), because .backward() adds into .grad",
     ),
     (
         pitfalls.zero_grad_inside_loop,
@@ -36,16 +36,13 @@ _STEP_MISTAKES = [
         pitfalls.step_every_microbatch,
         "optimizer.step() runs after every micro-batch; call it once, after the loop",
     ),
-    (
-        pitfalls.mean_of_microbatch_means,
-        "with micro-batches of unequal size every micro-batch was weighted 1/N, so small micro-batches count "
-        "too much; weight micro-batch i by its share of the samples, len(targets_i) / total",
-    ),
 ]
 
 
 def _check_train_step(candidate: Callable) -> tuple[str, str]:
-    for sizes in ([3, 3, 3, 3], [1, 5, 2, 4]):
+    # Equal micro-batches only: the exercise comes before unequal ones (microbatch_weights). Two
+    # different N, so that a step hard-wired to N = 4 fails.
+    for sizes in ([3, 3, 3, 3], [5, 5]):
         windows = regression_windows(sizes, n_windows=2, seed=1234)
         expected_params, expected_losses = _train(train_step_with_accumulation, windows)
         params, losses = _train(candidate, windows)
@@ -56,7 +53,7 @@ def _check_train_step(candidate: Callable) -> tuple[str, str]:
                 return "FAIL", f"return the loss as a Python float (loss.item()), not {type(loss).__name__}"
             if abs(loss - expected) > LOSS_RTOL * abs(expected):
                 return "FAIL", _diagnose_loss(loss, expected, len(sizes))
-    return "PASS", "your step equals one full-batch step, for equal and unequal micro-batches, and returns the mean loss"
+    return "PASS", "your step equals one full-batch step, for 4 and for 2 micro-batches, and returns the mean loss"
 
 
 def _diagnose_update(params: torch.Tensor, windows, sizes) -> str:
@@ -70,8 +67,8 @@ def _diagnose_update(params: torch.Tensor, windows, sizes) -> str:
     expected, _ = _train(train_step_with_accumulation, windows)
     return (
         f"with micro-batch sizes {sizes} your parameters differ from one full-batch step by up to "
-        f"{(params - expected).abs().max().item():.2g}; zero_grad once, scale each loss by its share "
-        "of the samples, backward every micro-batch, step once"
+        f"{(params - expected).abs().max().item():.2g}; zero_grad once, divide each loss by N, "
+        "backward every micro-batch, step once"
     )
 
 
@@ -90,7 +87,77 @@ def _train(step_fn: Callable, windows) -> tuple[torch.Tensor, list]:
     return params, losses
 
 
+# --- microbatch_weights -----------------------------------------------------------------------
+
+# Gradients of size ~0.1-1 added in float32: the right weights, however computed (n_i / n, or
+# 1 / n times n_i), land within ~1e-7 of the full batch's gradient, relative. The smallest known
+# mistake here is more than 10% off.
+GRADIENT_RTOL = 1e-5
+
+# The notebook's example first, then sizes that a weight list written out for it gets wrong, then
+# equal sizes (where 1/N is right) and a single micro-batch (where the weight must be 1).
+WEIGHT_CASES = ([3, 5, 8], [1, 2, 7, 6], [4, 4, 4], [5])
+
+# (wrong weights for the sizes, what the mistake is), in the order tried.
+_WEIGHT_MISTAKES = [
+    (
+        lambda sizes: [1 / len(sizes)] * len(sizes),
+        "every micro-batch has weight 1/N, so this averages the micro-batch means and a sample of a small "
+        "micro-batch counts more than a sample of a large one",
+    ),
+    (
+        lambda sizes: list(sizes),
+        "the weights are the sample counts n_i: that adds up the summed loss, n times the mean's gradient "
+        "(n = all the window's samples); the weights of a mean add up to 1",
+    ),
+    (
+        lambda sizes: [size / len(sizes) for size in sizes],
+        "the weights are n_i / N (N = number of micro-batches): they follow the sizes, but add up to "
+        "n / N instead of 1",
+    ),
+    (
+        lambda sizes: [1 / size for size in sizes],
+        "the weights are 1 / n_i: a micro-batch's mean loss already divides by n_i, so this divides twice "
+        "and small micro-batches count most",
+    ),
+]
+
+
+def _check_microbatch_weights(candidate: Callable) -> tuple[str, str]:
+    for sizes in WEIGHT_CASES:
+        weights = candidate(list(sizes))
+        if not hasattr(weights, "__len__") or len(weights) != len(sizes):
+            return "FAIL", f"return one weight per micro-batch: for sizes {sizes}, a list of {len(sizes)} numbers"
+        accumulated, full = _window_gradients(sizes, [float(w) for w in weights])
+        if (accumulated - full).norm() > GRADIENT_RTOL * full.norm():
+            return "FAIL", _diagnose_weights(sizes, accumulated, full)
+    tried = "; ".join(", ".join(map(str, sizes)) for sizes in WEIGHT_CASES)
+    return "PASS", f"with your weights the accumulated gradient is the full batch's mean gradient, for micro-batch sizes {tried}"
+
+
+def _diagnose_weights(sizes: list[int], accumulated: torch.Tensor, full: torch.Tensor) -> str:
+    cost = f"with sizes {sizes} your accumulated gradient is {((accumulated - full).norm() / full.norm()).item():.0%} off the full batch's"
+    for mistake, what in _WEIGHT_MISTAKES:
+        mistaken, _ = _window_gradients(sizes, mistake(sizes))
+        if (accumulated - mistaken).norm() <= GRADIENT_RTOL * mistaken.norm():
+            return f"{cost}: {what}"
+    return f"{cost}; write the full-batch mean loss as a sum over the micro-batches' mean losses"
+
+
+def _window_gradients(sizes: list[int], weights: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_i w_i grad(mean loss of micro-batch i), and the gradient of the whole window's mean loss."""
+    [window] = regression_windows(sizes, n_windows=1, seed=99)
+    model = regression_model()
+
+    def gradient(loss):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+    mse = torch.nn.functional.mse_loss
+    full = gradient(mse(model(torch.cat([x for x, _ in window])), torch.cat([y for _, y in window])))
+    return sum(w * gradient(mse(model(x), y)) for w, (x, y) in zip(weights, window)), full
+
 
 EXERCISES = {
     "train_step_with_accumulation": _check_train_step,
+    "microbatch_weights": _check_microbatch_weights,
 }

@@ -6,6 +6,9 @@ records the gradient in ``.grad`` at every ``step()`` call, and compares that
 record, and the parameters at the end, with the record of the correct loop
 and of each loop in :mod:`dmuon_edu.course.pitfalls`. Two loops whose records agree
 do the same thing to the model, whatever their code looks like.
+
+``scaled_loss_lr`` is graded the same way, by effect: the learner's learning
+rate must make the correct loop train loss for loss like the unscaled loop.
 """
 
 from __future__ import annotations
@@ -191,8 +194,74 @@ def _windows(n_windows: int = N_WINDOWS, sizes=(3,) * ACCUM_STEPS) -> list[Windo
     return regression_windows(sizes, n_windows, seed=2024)
 
 
+# --- scaled_loss_lr: which learning rate the unscaled loop really used ----------------------
+
+LR_CHECK_ACCUM_STEPS = (4, 8)  # two N, so that an answer hard-wired to one N fails
+LR_CHECK_STEPS = 5
+# Losses of order 0.1-1 after five float32 steps: at the matching learning rate the two runs differ
+# by float32 rounding, measured below 3e-7 relative (AdamW's and Muon's eps included); a learning
+# rate off by a factor of 2 or more moves some loss by more than 10%.
+LOSS_RTOL = 1e-4
+
+# What the unscaled loop's N-times gradient does to each optimizer's step, said after a wrong answer.
+_WHY = {
+    "sgd": "SGD's step is lr x gradient, and the unscaled gradient was N times the correct one",
+    "momentum": "momentum's buffer adds up gradients: N-times gradients make an N-times buffer and an N-times step",
+    "adamw": "AdamW's step is lr x m / (sqrt(v) + eps), and N-times gradients multiply m and sqrt(v) alike",
+    "muon": "Muon's Newton-Schulz iteration starts by dividing its input by its norm, so an N-times momentum "
+            "gives the same step",
+}
+# Answers that a learner gives, by what they do to the unscaled loop's learning rate.
+_LR_ANSWERS = {
+    "the unscaled loop's learning rate unchanged": lambda lr, n: lr,
+    "N times the unscaled loop's learning rate": lambda lr, n: lr * n,
+    "the unscaled loop's learning rate / N": lambda lr, n: lr / n,
+}
+
+
+def _check_scaled_loss_lr(candidate: Callable) -> tuple[str, str]:
+    for optimizer in pitfalls.OPTIMIZERS:
+        for n in LR_CHECK_ACCUM_STEPS:
+            unscaled_lr = pitfalls.DEFAULT_LR[optimizer] / 4
+            answer = candidate(optimizer, unscaled_lr, n)
+            if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not 0 < answer < float("inf"):
+                return "FAIL", f"return a learning rate, a number > 0; for {optimizer!r} with N = {n} you returned {answer!r}"
+            unscaled = _lr_curve(optimizer, n, scale_loss=False, lr=unscaled_lr)
+            yours = _lr_curve(optimizer, n, scale_loss=True, lr=answer)
+            if not _same_curve(yours, unscaled):
+                return "FAIL", _diagnose_lr(optimizer, n, unscaled_lr, answer, yours, unscaled)
+    return "PASS", (
+        f"at your learning rates the correct loop takes the unscaled loop's steps, loss for loss over "
+        f"{LR_CHECK_STEPS} steps, for {', '.join(pitfalls.OPTIMIZERS)} at N = 4 and 8"
+    )
+
+
+def _diagnose_lr(optimizer: str, n: int, unscaled_lr: float, answer: float, yours, unscaled) -> str:
+    what = next(
+        (f" ({name})" for name, answer_of in _LR_ANSWERS.items()
+         if _same_curve(yours, _lr_curve(optimizer, n, scale_loss=True, lr=answer_of(unscaled_lr, n)))),
+        "",
+    )
+    return (
+        f"{optimizer} with N = {n}: the unscaled loop ran at lr {unscaled_lr:g}; your answer {answer:g}{what} makes "
+        f"the correct loop's loss after {LR_CHECK_STEPS} steps {yours[-1]:.3f} where the unscaled loop's is "
+        f"{unscaled[-1]:.3f}. {_WHY[optimizer]}"
+    )
+
+
+def _lr_curve(optimizer: str, n: int, scale_loss: bool, lr: float) -> list[float]:
+    # float32 Newton-Schulz: bf16 rounding would blur the comparison (and depends on the CPU's kernels).
+    hyper = {"ns_dtype": torch.float32} if optimizer == "muon" else {}
+    return pitfalls.training_curve(optimizer, n, scale_loss=scale_loss, steps=LR_CHECK_STEPS, lr=lr, **hyper)
+
+
+def _same_curve(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= LOSS_RTOL * abs(y) for x, y in zip(a, b))
+
+
 EXERCISES = {
     "accumulate_window": _check_accumulate_window,
     "train_epoch": _check_train_epoch,
     "muon_accumulate_window": _check_muon_accumulate_window,
+    "scaled_loss_lr": _check_scaled_loss_lr,
 }
