@@ -18,7 +18,7 @@ from helpers import processes_running
 import torch
 
 from dmuon_edu import launch
-from dmuon_edu.course import cost_model, grading, notebooks
+from dmuon_edu.course import cost_model, data_parallel, grading, notebooks
 from dmuon_edu.course.data_parallel import Problem
 from dmuon_edu.launch import RankFailedError, torchrun
 
@@ -35,12 +35,14 @@ MODULE_5 = sorted(SCRIPTS.glob("05_*.py"))
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Each module 5 solution script on 2 ranks, and the by-hand one on 4 too."""
-    out = {}
-    for script, nproc in [(s, 2) for s in MODULE_5] + [(SCRIPTS / "05_allreduce_by_hand.py", 4)]:
-        path = tmp_path_factory.mktemp("results") / f"{script.stem}-{nproc}.json"
-        torchrun(script, nproc=nproc, args=[path], echo=False, timeout=120)
-        out[script.stem, nproc] = json.loads(path.read_text())
+    """Every module 5 solution script on 2 ranks, in one launch (tests/dist/run_scripts.py), and the by-hand
+    one on 4 ranks too."""
+    folder = tmp_path_factory.mktemp("results")
+    torchrun(DIST / "run_scripts.py", nproc=2, args=[folder, *MODULE_5], echo=False, timeout=300)
+    out = {(script.stem, 2): json.loads((folder / f"{script.stem}.json").read_text()) for script in MODULE_5}
+    path = folder / "05_allreduce_by_hand-4.json"
+    torchrun(SCRIPTS / "05_allreduce_by_hand.py", nproc=4, args=[path], echo=False, timeout=120)
+    out["05_allreduce_by_hand", 4] = json.loads(path.read_text())
     return out
 
 
@@ -78,6 +80,61 @@ def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered(res
     assert rows["all_gather, ... and parameters kept gathered"][0] < 2 * n * layers
     kept = results["05_fsdp2_accumulation", 2]["measurements"]["gradient bytes kept between micro-batches"]
     assert kept["without sync"] == 2 * kept["with sync"]  # the whole gradient instead of a 1/W shard, W = 2
+
+
+GRADIENT_BYTES = 284688  # the Problem's MLP: (16*256 + 256 + 256*256 + 256 + 256*4 + 4) float32 parameters
+
+
+def test_the_problem_has_the_gradient_bytes_the_hand_counts_below_assume():
+    assert sum(p.numel() * p.element_size() for p in Problem().model().parameters()) == GRADIENT_BYTES
+
+
+def test_bucketed_ddp_all_reduces_as_its_bucketing_rule_predicts(results):
+    result = results["05_bucketed_ddp", 2]
+    assert result["measurements"]["bucket bytes"] == 131072
+    # 284688 bytes cut into buckets of exactly 131072: two full buckets and one of the remaining 22544 bytes.
+    assert result["collectives"]["all_reduce"] == [3, GRADIENT_BYTES]
+    assert data_parallel.buckets_per_sync(GRADIENT_BYTES, 131072) == 3
+    assert data_parallel.buckets_per_sync(131072, 131072) == 1 and data_parallel.buckets_per_sync(131073, 131072) == 2
+
+
+def test_bucketed_ddp_sends_buckets_during_the_backward_and_waits_for_all_before_step(results):
+    events = results["05_bucketed_ddp", 2]["measurements"]["last backward"]
+    kinds = [kind if kind != "mark" else detail for _, kind, detail in events]
+    done, step = kinds.index("backward done"), kinds.index("step")
+    # Backward order, last layer first: the second layer's 256x256 weight completes the first two buckets
+    # while the first layer's gradients are still to come; the remainder goes once the backward is done.
+    assert kinds[:done].count("all_reduce") == 2 and "gradient" in kinds[kinds.index("all_reduce"):done]
+    assert kinds[done:step].count("all_reduce") == 1
+    assert kinds[done:step].count("wait") == 3 and "wait" not in kinds[:done]
+
+
+@pytest.mark.parametrize("events, problem", [
+    (["backward", "gradient", "all_reduce", "gradient", "backward done", "wait", "step"], None),
+    (["backward", "gradient", "all_reduce", "wait", "gradient", "backward done", "step"], "waited before the backward"),
+    (["backward", "gradient", "gradient", "backward done", "all_reduce", "wait", "step"], "no all_reduce was issued"),
+    (["backward", "gradient", "all_reduce", "gradient", "backward done", "step"], "only 0 of the 1 all_reduces"),
+], ids=["overlapped", "waited_right_away", "sent_after_backward", "never_waited"])
+def test_overlap_is_read_from_the_order_of_events(events, problem):
+    timed = [(float(t), "mark" if kind in ("backward", "backward done", "step") else kind,
+              kind if kind in ("backward", "backward done", "step") else "") for t, kind in enumerate(events)]
+    problems = data_parallel.overlap_problems(timed)
+    assert (problems == []) if problem is None else (len(problems) == 1 and problem in problems[0]), problems
+
+
+def test_zero1_keeps_2p_over_n_of_optimizer_state_per_rank_as_the_cost_model_predicts(results):
+    measured = results["05_zero1_adamw", 2]["measurements"]
+    # Two fp32 moments of a 1/2 shard: 2 * 284688 / 2 bytes, and AdamW's fp32 step counter (4 bytes).
+    assert measured["optimizer state bytes per rank"] == [GRADIENT_BYTES + 4] * 2
+    assert measured["shard bytes per rank"] == [GRADIENT_BYTES // 2] * 2
+    predicted = cost_model.cost("ZeRO-1", P=GRADIENT_BYTES, N=2, k=Problem().accum_steps, L=3)
+    assert predicted.optimizer_state == GRADIENT_BYTES
+    # The cost model's ZeRO-1 reduces to owners and broadcasts; this one reduce-scatters and all-gathers:
+    # the same counted bytes per optimizer step, and the same (N-1)/N of them on the wire.
+    rows = results["05_zero1_adamw", 2]["collectives"]
+    assert rows == {"reduce_scatter": [1, GRADIENT_BYTES], "all_gather": [1, GRADIENT_BYTES]}
+    assert sum(predicted.counted.values()) == 2 * GRADIENT_BYTES
+    assert predicted.wire == sum(nbytes * cost_model.wire_factor(op, 2) for op, (_, nbytes) in rows.items())
 
 
 @pytest.mark.parametrize("script", MODULE_5, ids=lambda p: p.stem)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import json
+import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +27,8 @@ from dmuon_edu.accumulation import IGNORE_INDEX, summed_token_loss
 from dmuon_edu.course.checks import CheckResult
 from dmuon_edu.distributed import print0
 
-__all__ = ["Problem", "Traffic", "report", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE",
+__all__ = ["Problem", "Traffic", "report", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE", "BackwardLog",
+           "buckets_per_sync", "overlap_problems", "optimizer_state_bytes",
            "TokenProblem", "WeightedStep", "weighting_findings"]
 
 # AdamW on both sides. The distributed gradient adds the same terms as the
@@ -193,6 +196,7 @@ def rank_share(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> t
         )
     return tuple(t.chunk(world_size)[rank] for t in batch)
 
+
 # --------------------------------------------------------------- windows weighted by their items (tokens, samples)
 # Module 5's token-weighted exercise and module 6's uneven windows grade how a run weighted
 # its micro-batches. Each known way of weighting them is a weight per (rank, micro-batch) on
@@ -342,3 +346,94 @@ def token_mistakes(by_rank, world_size: int) -> dict[str, list[list[float]]]:
         "the count includes padding: count only the targets that are not IGNORE_INDEX":
             [[1 / positions] * n for _ in tokens],
     }
+
+
+def buckets_per_sync(gradient_bytes: int, bucket_bytes: int) -> int:
+    """All-reduces per synchronising backward when gradients, in the order the backward produces them,
+    are cut into buckets of exactly ``bucket_bytes`` (a gradient may straddle two buckets) and the
+    last bucket takes what is left: ceil(gradient bytes / bucket bytes)."""
+    return math.ceil(gradient_bytes / bucket_bytes)
+
+
+class BackwardLog:
+    """When, on this rank, each gradient became ready and each collective's work was waited on.
+
+    ``events`` holds ``(time.perf_counter() seconds, "gradient", parameter name)`` from a
+    post-accumulate-grad hook on every parameter, ``(seconds, "wait", "")`` for every
+    ``Work.wait()`` called from Python inside ``with``, and the script's own
+    ``mark(label)`` as ``(seconds, "mark", label)``. The clock is the one
+    ``count_collectives`` stamps its calls with, so the lists merge into one order. Create it
+    before any other hooks on the parameters: hooks run in the order they were registered, and
+    a gradient must be logged as ready before the hook that sends it runs.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.events: list[tuple[float, str, str]] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready(name))
+                         for name, p in model.named_parameters()]
+        self._wait = None
+
+    def _ready(self, name: str):
+        def hook(_parameter):
+            self.events.append((time.perf_counter(), "gradient", name))
+        return hook
+
+    def mark(self, label: str) -> None:
+        self.events.append((time.perf_counter(), "mark", label))
+
+    def __enter__(self) -> BackwardLog:
+        # Work is a C++ class: a wrapper on its Python attribute sees the waits that Python code calls.
+        work = torch.distributed.distributed_c10d.Work
+        self._wait = work.wait
+
+        def logged_wait(this, *args, **kwargs):
+            self.events.append((time.perf_counter(), "wait", ""))
+            return self._wait(this, *args, **kwargs)
+
+        work.wait = logged_wait
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        torch.distributed.distributed_c10d.Work.wait = self._wait
+        for handle in self._handles:
+            handle.remove()
+
+
+def overlap_problems(events: list[tuple[float, str, str]], collective: str = "all_reduce") -> list[str]:
+    """What one synchronising backward did wrong, read from the order of its events alone.
+
+    ``events``: a :class:`BackwardLog`'s events merged with the collectives issued
+    (``(seconds, name, detail)``), from the mark "backward" to the mark "step" (the script marks
+    "backward done" when ``backward()`` returns). Right: every ``collective`` is waited before
+    ``step()``, and at least one is issued during the backward and still unwaited when the backward
+    produces its next gradient (the communication overlaps what is left of the backward).
+    """
+    kinds = [kind if kind != "mark" else detail for _, kind, detail in sorted(events)]
+    issued = [i for i, kind in enumerate(kinds) if kind == collective]
+    step, done = kinds.index("step"), kinds.index("backward done")
+    problems = []
+    waited = sum(kind == "wait" for kind in kinds[:step])
+    if waited < len(issued):
+        problems.append(f"only {waited} of the {len(issued)} {collective}s issued were waited before step(): the "
+                        "optimizer may read a bucket the ranks are still summing; wait every work before step()")
+    during = [i for i in issued if i < done]
+    if not during:
+        problems.append(f"no {collective} was issued during the backward: the communication cannot overlap the "
+                        "backward; send each bucket from the gradient hook as soon as it is full")
+    elif not any(_gradient_before_next_wait(kinds[i + 1:step]) for i in during):
+        problems.append(f"every {collective} issued during the backward was waited before the backward produced "
+                        "another gradient: a work waited right away blocks the backward until the ranks have summed "
+                        "it, so nothing overlaps; keep the works and wait them after the backward, before step()")
+    return problems
+
+
+def _gradient_before_next_wait(kinds: list[str]) -> bool:
+    """Whether the backward produced a gradient before the next wait (or before step, with no wait)."""
+    until = kinds.index("wait") if "wait" in kinds else len(kinds)
+    return "gradient" in kinds[:until]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state``, measured from the tensors themselves."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))

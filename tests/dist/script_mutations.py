@@ -9,7 +9,6 @@ verdict (or the error the variant raised). tests/test_script_checks.py asserts t
 one FAILs with the hint that names its mistake.
 """
 
-import importlib.util
 import contextlib
 import json
 import sys
@@ -18,9 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dmuon_edu import distributed
+from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
 from dmuon_edu.course.dmuon_problem import broadcast_from_owners
+from run_scripts import load
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
 
@@ -170,6 +170,25 @@ def prepare_z2(model, mesh):
 
 def prepare_fully_shard_first(model, mesh):
     return _prepare(model, mesh, fully_shard_first=True)
+
+
+# --------------------------------------------------------------- 06_save_and_resume: resume
+def resume_model_only(model, optimizer, path):
+    state = {"model": dmuon.get_model_state_dict(model, dmuon.StateDictOptions())}
+    checkpoint.load(state, path)
+    dmuon.set_model_state_dict(model, state["model"])
+
+
+def resume_optimizer_only(model, optimizer, path):
+    state = {"optim": dmuon.get_optimizer_state_dict(model, optimizer, dmuon.StateDictOptions())}
+    checkpoint.load(state, path)
+    dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def loaded_but_not_handed_back(model, optimizer, path):
+    sharded = dmuon.StateDictOptions()
+    checkpoint.load({"model": dmuon.get_model_state_dict(model, sharded),
+                     "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}, path)
 
 
 # --------------------------------------------------------------- 05_token_weighted_ddp: accumulate_window
@@ -369,6 +388,15 @@ MUTATIONS = [
     ("05_ddp_no_sync", "accumulate_window", step_inside_no_sync),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_every_micro_batch),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_never_syncs),
+    ("05_bucketed_ddp", "BucketedAllReduce", wait_right_away),
+    ("05_bucketed_ddp", "BucketedAllReduce", all_reduce_every_parameter),
+    ("05_bucketed_ddp", "BucketedAllReduce", not_waited_before_step),
+    ("05_bucketed_ddp", "BucketedAllReduce", bucket_sum_not_divided),
+    ("05_bucketed_ddp", "BucketedAllReduce", sends_every_micro_batch),
+    ("05_zero1_adamw", "ShardedAdamW", full_state_on_every_rank),
+    ("05_zero1_adamw", "ShardedAdamW", no_all_gather),
+    ("05_zero1_adamw", "ShardedAdamW", shard_gradient_summed),
+    ("05_zero1_adamw", "shard_bounds", overlapping_shards),
     ("06_reduce_broadcast", "reduce_step_broadcast", all_reduce_instead_of_reduce),
     ("06_reduce_broadcast", "reduce_step_broadcast", summed_not_averaged),
     ("06_reduce_broadcast", "reduce_step_broadcast", broadcast_before_step),
@@ -378,6 +406,9 @@ MUTATIONS = [
     ("06_owners_only", "prepare", prepare_fully_shard_first),
     ("06_z2_z3_training", "train", train_without_no_sync),
     ("06_z2_z3_training", "train", train_steps_inside_no_sync),
+    ("06_save_and_resume", "resume", resume_model_only),
+    ("06_save_and_resume", "resume", resume_optimizer_only),
+    ("06_save_and_resume", "resume", loaded_but_not_handed_back),
     ("05_token_weighted_ddp", "accumulate_window", token_mean_per_micro_batch),
     ("05_token_weighted_ddp", "accumulate_window", token_local_count),
     ("05_token_weighted_ddp", "accumulate_window", token_average_not_undone),
@@ -390,18 +421,11 @@ MUTATIONS = [
 ]
 
 
-def load(script: str):
-    spec = importlib.util.spec_from_file_location(f"mutated_{script}", SCRIPTS / f"{script}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines; main runs only under __main__
-    return module
-
-
 def main():
     sys.argv = sys.argv[:1]  # the scripts write a results file when given a path: not here
     with distributed.session() as ranks:
         for script, function, variant in MUTATIONS:
-            module = load(script)
+            module = load(SCRIPTS / f"{script}.py")
             wrong = getattr(module, variant) if isinstance(variant, str) else variant
             setattr(module, function, wrong)
             try:
