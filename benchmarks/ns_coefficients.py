@@ -14,17 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from dmuon_edu.course.ns_design import POLAR_EXPRESS_VERSIONS
 from dmuon_edu.newton_schulz import COEFFICIENTS, newton_schulz
 
-PAPER = (  # Amsel, Persson, Musco and Gower, arXiv:2505.16932
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-)
-SAFETY = 1.05
-PUBLIC_DMUON = tuple((a / SAFETY, b / SAFETY**3, c / SAFETY**5) for a, b, c in PAPER)
+PUBLIC_DMUON = POLAR_EXPRESS_VERSIONS["public dmuon (X-Square-Robot/dmuon)"]["per step"]
 SETS = {"jordan (ours, torch's)": COEFFICIENTS["jordan"], "polar_express (ours)": COEFFICIENTS["polar_express"],
         "public dmuon (paper / 1.05)": PUBLIC_DMUON}
 

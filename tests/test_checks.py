@@ -424,6 +424,46 @@ def test_muon_step_verdicts(candidate, status, hint):
     assert result.status == status and hint in result.message, str(result)
 
 
+# Each answer of the coefficient-design exercise: a tuple and the band it promises.
+# (3.7, -5.25, 2.2) reaches [0.61, 1.27]; (3.5, -7.0, 4.2) reaches [0.50, 1.02] (a narrower band
+# for a lower floor); Keller Jordan's tuple reaches only 0.47 at 0.001; the classic cubic 0.008;
+# (3.6, -4.7, 2.1) has p(1) = 1 and p'(1) = 0 but peaks at 1.31, past its escape point 1.11.
+@pytest.mark.parametrize(
+    "answer, status, hint",
+    [
+        (((3.7, -5.25, 2.2), (0.6, 1.3)), "PASS", "into [0.61, 1.27], inside your band [0.60, 1.30]"),
+        (((3.5, -7.0, 4.2), (0.5, 1.05)), "PASS", "into [0.50, 1.02]"),
+        (((3.4445, -4.775, 2.0315), (0.5, 1.3)), "FAIL", "slope at zero is too small: near 0, p(x) = a x, so 5 steps"),
+        (((3.4445, -4.775, 2.0315), (0.5, 1.3)), "FAIL", "0.001 ends at 0.47"),
+        (((1.5, -0.5, 0.0), (0.5, 1.0)), "FAIL", "a^5 = 8 and 0.001 ends at 0.01"),
+        (((3.6, -4.7, 2.1), (0.55, 1.3)), "FAIL", "the iteration diverges"),
+        (((3.6, -4.7, 2.1), (0.55, 1.3)), "FAIL", "above 1.11 further up (p(x) > x there), and p's peak on [0, 1] is 1.31"),
+        (((3.7, -5.25, 2.2), (0.6, 0.95)), "FAIL", "excludes 1"),
+        (((3.7, -5.25, 2.2), (1.05, 1.3)), "FAIL", "excludes 1"),
+        (((3.7, -5.25, 2.2), (0.3, 1.3)), "FAIL", "too wide: promise at least 0.5 and at most 1.5 (Keller Jordan's tuple already reaches [0.47, 1.20])"),
+        (((3.7, -5.25, 2.2), (0.6, 1.6)), "FAIL", "too wide"),
+        (((3.7, -5.25, 2.2), (0.62, 1.2)), "FAIL", "into [0.61, 1.27], outside the band [0.62, 1.20] you promised"),
+        (((3.7, -5.25), (0.6, 1.3)), "FAIL", "return ((a, b, c), (lo, hi))"),
+        ((3.7, -5.25, 2.2), "FAIL", "return ((a, b, c), (lo, hi))"),
+    ],
+)
+def test_ns_coefficients_verdicts(answer, status, hint):
+    result = run_check("ns_coefficients", lambda: answer)
+    assert result.status == status and hint in result.message, str(result)
+
+
+def test_ns_coefficients_band_is_measured_on_the_grid():
+    """The reported band is the composition's range on [0.001, 1], compared with an independent evaluation."""
+    from dmuon_edu.course.ns_design import band_reached
+
+    a, b, c = 3.7, -5.25, 2.2
+    x = torch.logspace(-3, 0, 100_001, dtype=torch.float64)
+    for _ in range(5):
+        x = x * (a + x * x * (b + c * x * x))  # Horner form: rounds differently from the package's
+    # The 10,001-point grid misses the extremes between its points by less than 1e-3 here.
+    assert band_reached((a, b, c)) == pytest.approx((x.min().item(), x.max().item()), abs=1e-3)
+
+
 def test_missing_script_results_give_one_friendly_line(tmp_path):
     from dmuon_edu.course.checks import ExerciseNotDone, load_script_results
 

@@ -1,4 +1,4 @@
-"""Checks for module 4: Newton-Schulz and the Muon step."""
+"""Checks for module 4: the Newton-Schulz step, a coefficient design, and the Muon step."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from dmuon_edu.course.ns_design import band_reached, composed_polynomial
 from dmuon_edu.muon import Muon
 from dmuon_edu.newton_schulz import JORDAN
 
@@ -88,7 +89,62 @@ def _check_muon_step(candidate: Callable) -> tuple[str, str]:
     )
 
 
+# The coefficient-design exercise: five steps of one tuple must lift every singular value in
+# [SMALLEST, 1] into a band [lo, hi] that the learner states, with 1 inside, lo >= LOWEST_FLOOR
+# (above the 0.47 that Keller Jordan's tuple leaves at 0.001) and hi <= HIGHEST_TOP.
+SMALLEST, LOWEST_FLOOR, HIGHEST_TOP, STEPS = 1e-3, 0.5, 1.5, 5
+
+
+def _check_ns_coefficients(candidate: Callable) -> tuple[str, str]:
+    answer = candidate()
+    try:
+        (a, b, c), (lo, hi) = answer
+        a, b, c, lo, hi = (float(v) for v in (a, b, c, lo, hi))
+    except (TypeError, ValueError):
+        return "FAIL", f"return ((a, b, c), (lo, hi)): three coefficients and the band you promise, got {answer!r}"
+    if not lo <= 1 <= hi:
+        return "FAIL", (
+            f"your band [{lo:.2f}, {hi:.2f}] excludes 1: every direction would move {(lo + hi) / 2:.2f}x as far as "
+            "the orthogonal update, a change of learning rate, not orthogonalisation; aim the band at 1"
+        )
+    if lo < LOWEST_FLOOR or hi > HIGHEST_TOP:
+        jordan_lo, jordan_hi = band_reached(JORDAN, STEPS, SMALLEST)
+        return "FAIL", (
+            f"your band [{lo:.2f}, {hi:.2f}] is too wide: promise at least {LOWEST_FLOOR} and at most {HIGHEST_TOP} "
+            f"(Keller Jordan's tuple already reaches [{jordan_lo:.2f}, {jordan_hi:.2f}])"
+        )
+    reached_lo, reached_hi = band_reached((a, b, c), STEPS, SMALLEST)
+    # past 10 the x^5 term has taken over: the next steps only grow it, far beyond any allowed band
+    if not torch.isfinite(torch.tensor([reached_lo, reached_hi])).all() or reached_hi > 10:
+        xs = torch.linspace(0, 3, 3001, dtype=torch.float64)
+        one_step = composed_polynomial(xs, (a, b, c), steps=1)
+        escape = xs[one_step <= xs].max().item()  # beyond it p(x) > x: values climb at every step
+        peak = one_step[:1001].max().item()  # on [0, 1]
+        return "FAIL", (
+            f"the iteration diverges: after {STEPS} steps the largest singular value is {reached_hi:.1e}. One step "
+            f"sends x above {escape:.2f} further up (p(x) > x there), and p's peak on [0, 1] is {peak:.2f}: "
+            "p must map your band into itself, so keep its peak below your band's top"
+        )
+    lifted = composed_polynomial(torch.tensor(SMALLEST, dtype=torch.float64), (a, b, c), STEPS).item()
+    if reached_lo < lo and a**STEPS * SMALLEST < lo:
+        return "FAIL", (
+            f"the slope at zero is too small: near 0, p(x) = a x, so {STEPS} steps multiply a tiny singular value by "
+            f"a^{STEPS} = {a**STEPS:.0f} and {SMALLEST} ends at {lifted:.2f}, below your floor {lo:.2f}; "
+            f"you need a^{STEPS} * {SMALLEST} >= {lo:.2f}"
+        )
+    if reached_lo < lo or reached_hi > hi:
+        return "FAIL", (
+            f"your tuple maps [{SMALLEST}, 1] into [{reached_lo:.2f}, {reached_hi:.2f}], outside the band "
+            f"[{lo:.2f}, {hi:.2f}] you promised; move the band, or p's peak and its value at the band's top"
+        )
+    return "PASS", (
+        f"{STEPS} steps of ({a}, {b}, {c}) map [{SMALLEST}, 1] into [{reached_lo:.2f}, {reached_hi:.2f}], "
+        f"inside your band [{lo:.2f}, {hi:.2f}]"
+    )
+
+
 EXERCISES = {
     "ns_step": _check_ns_step,
+    "ns_coefficients": _check_ns_coefficients,
     "muon_step": _check_muon_step,
 }
