@@ -35,7 +35,7 @@ __all__ = [
     "ReferenceStep",
     "is_dedicated",
     "dedicated_parameters",
-    "seed_batches",
+    "guide_batches",
     "symmetric_parameters",
     "MUON_HYPERPARAMETERS",
     "ADAMW_LR",
@@ -125,7 +125,7 @@ class Problem(data_parallel.Problem):
         return steps
 
 
-def seed_batches(n_batches: int, rank: int, batch_size: int = 32):
+def guide_batches(n_batches: int, rank: int, batch_size: int = 32):
     """A dataloader for the accumulation guide's loop: this rank's own batches, from a fixed teacher the model can learn.
 
     (Module 5's data, sin(x @ teacher), is a fine test of equivalence but too hard a
@@ -190,24 +190,34 @@ def per_rank(value):
 
 
 class ResidencyProbe:
-    """The most bytes of dedicated matrices this rank holds while any layer runs its forward.
+    """The most bytes of dedicated matrices, and of their gradients, this rank holds while any layer runs its forward.
 
     A forward pre-hook on each layer, registered after dmuon's own (so the layer's
     matrices have just been made resident), reads ``dmuon.held_bytes(model)`` at that
-    moment. Exact and deterministic, unlike a profiler's peak.
+    moment, and the gradients dmuon keeps for the dedicated matrices between
+    backwards: ``_accumulated_grad`` (inside no_sync, on every rank) and
+    ``_reduced_grad`` (on the owner). Exact and deterministic, unlike a profiler's peak.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.peak = 0
+        self.gradient_peak = 0
         for layer in model.layers:
             layer.register_forward_pre_hook(self._measure)
 
     def held_bytes(self) -> int:
         return dmuon.held_bytes(self.model)
 
+    def held_gradient_bytes(self) -> int:
+        kept = (getattr(p, name) for p in dedicated_parameters(self.model).values()
+                for name in ("_accumulated_grad", "_reduced_grad"))
+        return sum(g.numel() * g.element_size() for g in kept if g is not None)
+
     def _measure(self, _module, _args) -> None:
         self.peak = max(self.peak, self.held_bytes())
+        self.gradient_peak = max(self.gradient_peak, self.held_gradient_bytes())
+
 
 @dataclass(frozen=True)
 class UnevenProblem(Problem):
