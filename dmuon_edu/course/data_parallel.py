@@ -178,8 +178,8 @@ def _gradient_problem(ratio: float, world_size: int) -> str:
     """What a gradient of ``ratio`` times the full-batch gradient's norm says about the averaging."""
     said = f"the averaged gradient is {ratio:.3g}x the full-batch gradient ({world_size} ranks): "
     if abs(ratio / world_size - 1) < GRADIENT_RATIO_TOLERANCE:
-        return said + ("an all_reduce with SUM adds the ranks' gradients, so divide by the world size once (AdamW "
-                       "hides a constant factor in the parameters; gradient clipping and eps do not)")
+        return said + ("an all_reduce with SUM adds the ranks' gradients, so divide by the world size once (AdamW's "
+                       "update hides most of a constant factor, all but its eps; gradient clipping and SGD do not)")
     if abs(ratio * world_size - 1) < GRADIENT_RATIO_TOLERANCE:
         return said + "it was divided by the world size twice (ReduceOp.AVG already averages): divide once"
     return said + ("it is not the average of the ranks' gradients: all-reduce every gradient over the ranks so that "
