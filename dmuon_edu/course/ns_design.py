@@ -11,6 +11,7 @@ Newton-Schulz costs next to a training step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,7 +66,7 @@ POLAR_EXPRESS_VERSIONS: dict[str, dict] = {
 
 def design_grid(smallest: float = 1e-3, points: int = 10_001) -> torch.Tensor:
     """Log-spaced singular values from ``smallest`` to 1 in float64: where a design is judged."""
-    return torch.logspace(torch.log10(torch.tensor(smallest)).item(), 0.0, points, dtype=torch.float64)
+    return torch.logspace(math.log10(smallest), 0.0, points, dtype=torch.float64)
 
 
 def composed_polynomial(
