@@ -19,7 +19,9 @@ checkpoint whose save was cut short.
 
 The script trains one optimizer step, saves, builds a new model with other
 weights, resumes, trains two more steps, and compares every step with the
-single-process reference.
+single-process reference. It also compares what the resume restored with what
+was saved, part by part (weights, Muon momentum, AdamW state): each part left
+out is named, with its size and what it cost the run.
 
 Usage: torchrun --nproc-per-node=2 06_save_and_resume.py [results.json]
 """
@@ -35,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import report
+from dmuon_edu.course.data_parallel import ADAMW_TOLERANCE, report
 from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, Problem, full_parameters, is_dedicated
 
 
@@ -66,7 +68,40 @@ def train_window(model, optimizer, problem, window, ranks):
     optimizer.zero_grad()
 
 
-with distributed.session() as ranks:
+def full_state(model, optimizer):
+    """Every value the run continues from, as full tensors on every rank: {"weights", "momentum", "AdamW state"}."""
+    full = dmuon.StateDictOptions(full_state_dict=True)
+    optim = dmuon.get_optimizer_state_dict(model, optimizer, full)["state"]
+    return {"weights": dict(dmuon.get_model_state_dict(model, full)),
+            "momentum": {name: s["momentum_buffer"] for name, s in optim.items() if "momentum_buffer" in s},
+            "AdamW state": {f"{name}.{key}": value for name, s in optim.items()
+                            for key, value in s.items() if key != "momentum_buffer"}}
+
+
+# what hands each part of the loaded dictionary back to the run
+RESTORED_BY = {"weights": "dmuon.set_model_state_dict(model, state['model'])",
+               "momentum": "dmuon.set_optimizer_state_dict(model, optimizer, state['optim'])",
+               "AdamW state": "dmuon.set_optimizer_state_dict(model, optimizer, state['optim'])"}
+
+
+def restoration_findings(saved, resumed) -> list[str]:
+    """What the resume left out: each part of the state that differs from the saved one, with its size."""
+    findings = []
+    for part, values in saved.items():
+        missing = [name for name in values if name not in resumed[part]]
+        worst = max((float((torch.as_tensor(resumed[part][name]).float() - torch.as_tensor(value).float()).abs().max())
+                     for name, value in values.items() if name not in missing), default=0.0)
+        if missing or worst > 0:
+            norm = max(float(torch.as_tensor(value).float().norm()) for value in values.values())
+            findings.append(f"the {part} did not come back from the checkpoint (largest difference {worst:.3g}, "
+                            f"against saved values of norm up to {norm:.3g}"
+                            f"{f'; {len(missing)} entries missing' if missing else ''}): load it and hand it back with "
+                            f"{RESTORED_BY[part]} (checkpoint.load only fills the dictionary)")
+    return findings
+
+
+def main(ranks):
+    """Train a step, save, resume in a model with other weights with the learner's resume, train on; grade resume."""
     problem = Problem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     folder = [tempfile.mkdtemp() if ranks.rank == 0 else None]
@@ -80,20 +115,32 @@ with distributed.session() as ranks:
     sharded = dmuon.StateDictOptions()
     checkpoint.save({"model": dmuon.get_model_state_dict(model, sharded),
                      "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}, path)
+    saved = full_state(model, optimizer)
     distributed.print0("saved after optimizer step 1; resuming in a new model with other weights")
 
     model, optimizer = build(problem, mesh, ranks.device, scramble=True)
     resume(model, optimizer, path)
+    # Bit for bit: a checkpoint holds the exact values, so anything but 0 is a part left out.
+    findings = restoration_findings(saved, full_state(model, optimizer))
     for window, expected in zip(windows[1:], reference[1:]):
         train_window(model, optimizer, problem, window, ranks)
         differences.append(max_parameter_difference(full_parameters(model), expected.parameters))
-    report(
+    if findings and differences[-1] >= ADAMW_TOLERANCE:
+        findings[-1] += f"; it costs the run: step {len(differences)} is {differences[-1]:.3g} from the reference"
+    result = report(
         "06_save_and_resume",
         differences,
         {},
         hint="build the state dict from the fresh model and optimizer, checkpoint.load it in place, then "
         "dmuon.set_model_state_dict and dmuon.set_optimizer_state_dict (the momentum must come back too)",
+        findings=tuple(findings),
     )
     dist.barrier()
     if ranks.rank == 0:
         shutil.rmtree(folder[0])
+    return result
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)

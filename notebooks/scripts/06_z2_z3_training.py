@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.course.data_parallel import Traffic, report
+from dmuon_edu.course.timeline import Timeline
 from dmuon_edu.course.dmuon_problem import (
     ADAMW_LR,
     MUON_HYPERPARAMETERS,
@@ -39,7 +40,7 @@ from dmuon_edu.course.dmuon_problem import (
     is_dedicated,
     owner_gradient_difference,
     per_rank,
-    seed_batches,
+    guide_batches,
 )
 
 
@@ -93,7 +94,7 @@ def main(ranks):
     problem = Problem()
     k = problem.accum_steps
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
-    rows, differences, held_during_forward = {}, [], {}
+    rows, differences, held_during_forward, gradients_held, timelines = {}, [], {}, {}, {}
     for zero3 in (True, False):
         for label, no_sync in [("no_sync", dmuon.no_sync), ("no no_sync", sync_every_micro_batch)]:
             config = f"{'Z3' if zero3 else 'Z2'}, {label}"
@@ -104,23 +105,27 @@ def main(ranks):
             stepped_with = record_owner_gradients(model, optimizer)
             counts = distributed.count_collectives()
             config_differences = []
-            for window, expected in zip(problem.windows(), problem.baseline()):
-                with counts:
+            for step, (window, expected) in enumerate(zip(problem.windows(), problem.baseline())):
+                # The second window's timeline: the first one's also holds the optimizer's lazy set-up.
+                with counts, Timeline(model.layers) if step == 1 else nullcontext() as timeline:
                     train(model, optimizer, local_batches(problem, [window], ranks), k, no_sync=no_sync)
+                if timeline is not None:
+                    timelines[config] = per_rank(timeline.relative())
                 config_differences.append(max(max_parameter_difference(full_parameters(model), expected.parameters),
                                               owner_gradient_difference(stepped_with, expected.gradients)))
             differences.append(config_differences)
             for op in ("broadcast", "reduce"):
                 rows[f"{op}, {config}"] = (counts.calls[op] // problem.n_windows, counts.bytes[op] // problem.n_windows)
             held_during_forward[config] = per_rank(probe.peak)
+            gradients_held[config] = per_rank(probe.gradient_peak)
 
     # The accumulation guide's loop as written: its optimizer settings, 15 optimizer steps of its own stream of batches.
     model = problem.model().to(ranks.device)
     optimizer = prepare(model, mesh, zero3=True, lr=0.02, adamw_lr=1e-3)
-    dataloader = ((x.to(ranks.device), y.to(ranks.device)) for x, y in seed_batches(15 * k, ranks.rank))
-    seed_losses = train(model, optimizer, dataloader, k)
+    dataloader = ((x.to(ranks.device), y.to(ranks.device)) for x, y in guide_batches(15 * k, ranks.rank))
+    guide_losses = train(model, optimizer, dataloader, k)
     distributed.print0(f"the accumulation guide's loop on {ranks.world_size} ranks, Z3, {k} micro-batches per optimizer step:")
-    for step, loss in enumerate(seed_losses, start=1):
+    for step, loss in enumerate(guide_losses, start=1):
         # The guide prints .4f; bf16 Newton-Schulz rounds differently in those last digits on other CPUs.
         distributed.print0(f"  step {step}: loss={loss:.2f}")
 
@@ -150,7 +155,9 @@ def main(ranks):
              "and call optimizer.step() then optimizer.zero_grad() after the last",
         measurements={"P_M": p_m, "k": k, "world size": ranks.world_size,
                       "dedicated bytes held during a forward, at most": held_during_forward,
-                      "guide loop losses": seed_losses},
+                      "dedicated gradient bytes held during a forward, at most": gradients_held,
+                      "timeline of the second window": timelines,
+                      "guide loop losses": guide_losses},
         traffic=tuple(traffic),
     )
 

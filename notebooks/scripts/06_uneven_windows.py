@@ -1,0 +1,110 @@
+"""Module 6, exercise: uneven micro-batches and a short last window, under DDP and under dmuon.
+
+Every rank runs the same number of micro-batches, but of different sizes: the ranks
+split each global micro-batch of 8 samples at random, rank 1 taking more on average.
+(A different *number* of micro-batches per rank would hang DDP: a rank would wait in
+a collective the others never call, unless the loop runs under DDP's Join context
+manager.) And the
+data does not divide into whole windows: the stream ends with a window of 3
+micro-batches where accum_steps is 4.
+
+train gets this rank's stream of (x, y) micro-batches, in order, and steps once per
+window, the short last one included. Each optimizer step must equal one step of a
+single process on the window's samples of all ranks as one batch. model(batch).loss
+is a micro-batch's mean loss. The same train runs under DDP (no_sync is
+ddp_no_sync below) and under dmuon (``dmuon.no_sync``); both average the ranks'
+gradients.
+
+Usage: torchrun --nproc-per-node=2 06_uneven_windows.py [results.json]
+"""
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dmuon_edu import distributed, dmuon
+from dmuon_edu.accumulation import accumulation_windows
+from dmuon_edu.compare import max_parameter_difference
+from dmuon_edu.course.data_parallel import flat_gradient, report, weighting_findings
+from dmuon_edu.course.dmuon_problem import UnevenProblem, dedicated_parameters, full_parameters, prepare
+
+
+def train(model, optimizer, dataloader, accum_steps, no_sync):
+    """One optimizer step per window of ``accum_steps`` micro-batches of ``dataloader``, the short last one included."""
+    raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
+
+
+def ddp_no_sync(model):
+    return model.no_sync()
+
+
+def run(problem, ranks, mesh, with_dmuon):
+    """Train under DDP or dmuon; return (the flat gradient each step stepped with, the parameters after it)."""
+    model = problem.model().to(ranks.device)
+    if with_dmuon:
+        optimizer = prepare(model, mesh)
+        owned = {name: p for name, p in dedicated_parameters(model).items()
+                 if dmuon.ownership(model)[name] == ranks.rank}
+
+        def gradient():  # this rank's owned matrices' gradients, zeros elsewhere; the ranks' sum is everything
+            return torch.cat([p._reduced_grad.flatten() if name in owned else torch.zeros(p.numel())
+                              for name, p in dedicated_parameters(model).items()])
+
+        def parameters():
+            return full_parameters(model)
+    else:
+        model = DDP(model)
+        optimizer = problem.optimizer(model.parameters())
+
+        def gradient():
+            return flat_gradient(model.module.parameters()).clone()
+
+        def parameters():
+            return [p.detach().clone() for p in model.module.parameters()]
+
+    stepped, after = [], []
+    optimizer.register_step_pre_hook(lambda *_: stepped.append(gradient()))
+    optimizer.register_step_post_hook(lambda *_: after.append(parameters()))
+    stream = [tuple(t.to(ranks.device) for t in batch) for batch in problem.stream(ranks.rank, ranks.world_size)]
+    train(model, optimizer, stream, problem.accum_steps, dmuon.no_sync if with_dmuon else ddp_no_sync)
+    if with_dmuon:
+        for g in stepped:
+            dist.all_reduce(g)
+    return stepped, after
+
+
+def main(ranks):
+    """Run train under DDP and under dmuon; grade the steps taken, each step's gradient and its parameters."""
+    problem = UnevenProblem()
+    mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+    differences, runs, dropped = [], {}, {}
+    for with_dmuon in (False, True):
+        name = "dmuon" if with_dmuon else "DDP"
+        reference = problem.reference_steps(ranks.world_size, with_muon=with_dmuon)
+        stepped, after = run(problem, ranks, mesh, with_dmuon)
+        runs[name] = stepped, reference
+        differences.append([max_parameter_difference(parameters, expected.parameters) for parameters, expected
+                            in zip(after, reference)] + [float("inf")] * (len(reference) - len(after)))
+        if (never_trained := problem.never_trained(len(stepped))) is not None:
+            dropped.setdefault(never_trained, []).append(name)
+    findings = weighting_findings(runs) + tuple(f"{' and '.join(names)}: {never_trained}"
+                                                for never_trained, names in dropped.items())
+    sizes = [sum(map(len, (x for x, _ in window))) for window in problem.windows()]
+    distributed.print0(f"{ranks.world_size} ranks, windows of {problem.accum_steps} micro-batches, the last of "
+                       f"{problem.leftover}: {sizes} samples per window")
+    return report(
+        "06_uneven_windows",
+        [max(step) for step in zip(*differences)],
+        {},
+        hint="weight each micro-batch's mean loss by its share of the window's samples on all ranks, times the "
+             "world size, and step after every window, the short last one too",
+        findings=findings,
+    )
+
+
+if __name__ == "__main__":
+    with distributed.session() as ranks:
+        main(ranks)
