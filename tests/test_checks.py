@@ -473,3 +473,89 @@ def test_missing_script_results_give_one_friendly_line(tmp_path):
     assert len(rendered) == 1 and "finish the exercise script" in rendered[0]
     (tmp_path / "fsdp2.json").write_text('{"status": "PASS"}')
     assert load_script_results(tmp_path / "fsdp2.json") == {"status": "PASS"}
+
+
+# --- module 7 ---------------------------------------------------------------------------------
+
+
+def _entropy(p):
+    return -(p * p.clamp_min(1e-300).log()).sum(dim=-1)
+
+
+def _pairs(source):
+    return source.stationary().reshape(source.vocab_size, source.vocab_size)
+
+
+def floor_correct(source, seq_len):
+    rate = source.stationary() @ _entropy(source.rows())
+    pairs = _pairs(source)
+    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
+    return float((first + (seq_len - 1) * rate) / seq_len)
+
+
+def floor_by_weighted_conditionals(source, seq_len):  # the same floor by another route: sum_a pi(a) H(X_1 | X_0 = a)
+    pairs = _pairs(source)
+    marginal = pairs.sum(dim=1)
+    first = marginal @ _entropy(pairs / marginal[:, None])
+    return float((first + (seq_len - 1) * source.entropy_rate()) / seq_len)
+
+
+def floor_entropy_rate(source, seq_len):
+    return source.entropy_rate()
+
+
+def floor_uniform_contexts(source, seq_len):
+    pairs = _pairs(source)
+    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
+    return float((first + (seq_len - 1) * _entropy(source.rows()).mean()) / seq_len)
+
+
+def floor_uniform_rows_only(source, seq_len):
+    return float(_entropy(source.rows()).mean())
+
+
+def floor_first_without_context(source, seq_len):
+    first = _entropy(_pairs(source).sum(dim=1))
+    return float((first + (seq_len - 1) * source.entropy_rate()) / seq_len)
+
+
+def floor_bigram(source, seq_len):
+    pairs = _pairs(source)
+    return float(_entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1)))
+
+
+def floor_seq_len_plus_one(source, seq_len):
+    pairs = _pairs(source)
+    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
+    return float((first + seq_len * source.entropy_rate()) / (seq_len + 1))
+
+
+def floor_in_bits(source, seq_len):
+    return floor_correct(source, seq_len) / 0.6931471805599453
+
+
+def floor_stub(source, seq_len):
+    raise NotImplementedError("derive the floor")
+
+
+@pytest.mark.parametrize(
+    "candidate, status, hint",
+    [
+        (floor_correct, "PASS", "the floor of 32 predictions"),
+        (floor_by_weighted_conditionals, "PASS", "the floor of 32 predictions"),
+        (floor_entropy_rate, "FAIL", "you returned the entropy rate"),
+        (floor_uniform_contexts, "FAIL", "weighted every context equally"),
+        (floor_uniform_rows_only, "FAIL", "equal weights and left out the first prediction"),
+        (floor_first_without_context, "FAIL", "no context at all"),
+        (floor_bigram, "FAIL", "a bigram's floor"),
+        (floor_seq_len_plus_one, "FAIL", "seq_len + 1 predictions"),
+        (floor_in_bits, "FAIL", "in bits"),
+        (lambda source, seq_len: 1.0, "FAIL", "from the true one"),
+        (floor_stub, "TODO", "not attempted"),
+    ],
+)
+def test_loss_floor_verdicts(candidate, status, hint):
+    result = run_check("loss_floor", candidate)
+    assert result.status == status and hint in result.message, str(result)
+    if status == "FAIL" and hint != "from the true one":  # every named mistake says what it costs
+        assert re.search(r"off by \d\.\d{3} nats", result.message), str(result)

@@ -1,18 +1,18 @@
-"""Module 7, the capstone: a small GPT on Markov text, trained with AdamW, Muon and dmuon (Z2, Z3).
+"""Module 7, the capstone: a small GPT on second-order Markov text, trained with AdamW, Muon and dmuon (Z2, Z3).
 
 Every run sees the same global batches: ``steps`` optimizer steps of ``accum_steps``
 micro-batches of ``global_microbatch`` sequences. A single process takes each
 micro-batch whole; on W ranks each rank takes its 1/W share of it, so that one
-optimizer step covers the same tokens either way. The loop is the accumulation guide's: every
-micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (a no-op
-context on one process), each loss divided by ``accum_steps``, then ``step`` and
-``zero_grad``.
+optimizer step covers the same tokens either way. The loop is the accumulation guide's,
+corrected where the guide drops a leftover window (see :func:`train`): every
+micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (none on one
+process), each loss divided by its window's length, then ``step`` and ``zero_grad``.
 
-The text comes from :class:`dmuon_edu.course.data.MarkovSource`, whose entropy rate is
-known exactly: no model can average less loss per token, so it is the floor the
-curves approach. The held-out loss is measured on ``eval_sequences`` fresh
-sequences, enough tokens that its sampling error (a few thousandths of a nat) is well below
-the margin.
+The text comes from :class:`dmuon_edu.course.data.MarkovSource` of order 2: each token
+depends on the two before it, so a model must attend to more than the previous token.
+Its floor, the lowest mean loss any model can reach on these sequences, is computed
+exactly from the transition table (:meth:`Capstone.floor`). The held-out loss is
+measured on ``eval_sequences`` fresh sequences, the same for every run.
 
 One process (in a notebook)::
 
@@ -21,7 +21,7 @@ One process (in a notebook)::
 dmuon on 2 ranks, from a notebook (``launch.torchrun(capstone.__file__, args=[...])``)
 or a shell::
 
-    torchrun --nproc-per-node=2 dmuon_edu/capstone.py results.json [--steps N] [--accum-steps K] [--modes Z2 Z3]
+    torchrun --nproc-per-node=2 dmuon_edu/course/capstone.py results.json [--steps N] [--accum-steps K] [--modes Z2 Z3]
 
 Rank 0 writes ``{mode: result}`` to the JSON file: the same fields as
 :func:`run_single_process` returns, plus communication per optimizer step.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -64,7 +65,10 @@ __all__ = [
     "single_process_optimizers",
     "train",
     "evaluate",
-    "learned_transition",
+    "predictions",
+    "learned_rows",
+    "excess_loss",
+    "bigram_loss",
     "run_single_process",
     "counted_bytes_per_step",
     "held_bytes",
@@ -79,8 +83,10 @@ MODES = ("Z2", "Z3", "Z2 without no_sync", "Z3 without no_sync")
 class Capstone:
     """Every setting of the capstone run; the defaults fit about a minute of a 2-core CPU in all."""
 
-    vocab_size: int = 16
-    sharpness: float = 2.0  # of the Markov chain: its entropy rate is 1.67 nats, log(16) = 2.77
+    vocab_size: int = 4
+    order: int = 2  # each token depends on the two before it: a bigram table cannot reach the floor
+    sharpness: float = 2.5  # of the chain's random rows: entropy rate 0.65 nats, log(4) = 1.39
+    source_seed: int = 0  # the chain and the held-out text: the same for every run
     seq_len: int = 32
     d_model: int = 32
     n_layer: int = 2
@@ -95,14 +101,18 @@ class Capstone:
     # Muon's update scale, given to Muon and dmuon alike (their defaults differ): Keller Jordan's sqrt(max(1, m/n)).
     muon_scale: str = "original"
     adamw_lr: float = 1e-2  # AdamW alone, and AdamW's share of Muon and dmuon (embeddings, norms, biases, head)
-    seed: int = 0
+    seed: int = 0  # the model's initialisation and the training text
 
     def source(self) -> MarkovSource:
-        return MarkovSource.random(self.vocab_size, seed=self.seed, sharpness=self.sharpness)
+        return MarkovSource.random(self.vocab_size, seed=self.source_seed, sharpness=self.sharpness, order=self.order)
 
     def floor(self) -> float:
-        """The entropy rate of the text, nats per token: the lowest loss any model can average."""
-        return self.source().entropy_rate()
+        """The lowest mean loss any model can reach on sequences of seq_len predictions, nats per token.
+
+        The mean of :meth:`MarkovSource.position_floors`: the entropy rate, except for the
+        first prediction, which has seen one token and cannot know which row applies.
+        """
+        return float(self.source().position_floors(self.seq_len).mean())
 
     def model(self) -> GPT:
         """The same freshly initialised GPT on every call and every rank."""
@@ -111,18 +121,31 @@ class Capstone:
                              n_head=self.n_head, d_model=self.d_model))
 
     def microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every global micro-batch of the run, in order: ``steps * accum_steps`` (inputs, targets) pairs."""
-        tokens = self.source().sample(self.steps * self.accum_steps * self.global_microbatch, self.seq_len + 1,
-                                      torch.Generator().manual_seed(self.seed + 1))
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.global_microbatch)]
+        """Every global micro-batch of the run, in order: ``steps * accum_steps`` (inputs, targets) pairs.
+
+        Each optimizer step's text has its own generator, so a shorter run trains on the
+        first micro-batches of a longer one (the sweep's test re-runs a prefix of a stored run).
+        """
+        source = self.source()
+        steps = [source.sample(self.accum_steps * self.global_microbatch, self.seq_len + 1,
+                               torch.Generator().manual_seed(_STEP_SEEDS * self.seed + step))
+                 for step in range(self.steps)]
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in torch.cat(steps).split(self.global_microbatch)]
 
     def held_out(self) -> torch.Tensor:
-        """(eval_sequences, seq_len + 1) tokens the training never sees."""
-        return self.source().sample(self.eval_sequences, self.seq_len + 1, torch.Generator().manual_seed(self.seed + 2))
+        """(eval_sequences, seq_len + 1) tokens no run trains on, the same for every seed."""
+        return self.source().sample(self.eval_sequences, self.seq_len + 1,
+                                    torch.Generator().manual_seed(_HELD_OUT_SEED + self.source_seed))
 
     def local(self, microbatches, rank: int, world_size: int):
         """This rank's equal share of each global micro-batch."""
         return [rank_share(batch, rank, world_size) for batch in microbatches]
+
+
+# Optimizer step i of seed s draws its text with generator seed s * _STEP_SEEDS + i, and the held-out
+# text with _HELD_OUT_SEED + source_seed: far enough apart that no two runs share a generator.
+_STEP_SEEDS = 1_000_000
+_HELD_OUT_SEED = 999_999_000
 
 
 @dataclass
@@ -132,7 +155,8 @@ class RunResult:
     step_seconds: float  # median wall time of an optimizer step (window + step), first and last excluded
     peak_bytes: int  # peak memory of the last optimizer step above its start (dmuon: per rank)
     held_bytes: int  # parameters + optimizer state a rank holds between steps (dmuon: per rank)
-    learned_transition: list[list[float]]  # after training, see learned_transition()
+    learned_rows: list[list[float]]  # after training, on Capstone.held_out(): see learned_rows()
+    excess: dict[str, float]  # after training, on Capstone.held_out(): see excess_loss()
 
 
 def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
@@ -198,19 +222,70 @@ def evaluate(model: nn.Module, tokens: torch.Tensor, batch: int = 256) -> float:
 
 
 @torch.no_grad()
-def learned_transition(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """(V, V): the model's mean predicted next-token distribution after each token, over ``tokens``.
+def predictions(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, T, V), float64: the model's next-token distribution at every input position of ``tokens``."""
+    return torch.softmax(model(tokens[:, :-1]).logits.double(), dim=-1).cpu()
 
-    For a first-order Markov source the best model predicts row ``i`` of the
-    transition matrix after token ``i``, whatever came before: compare with
-    ``source.transition``.
+
+def learned_rows(source: MarkovSource, tokens: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """(V^k, V): the mean of ``predicted`` over the positions whose last k tokens are each context.
+
+    The positions before the k-th token have no full context and are left out. For a
+    Markov source of order k the best model predicts ``source.rows()[c]`` in context c,
+    whatever came before: compare the two.
     """
-    inputs = tokens[:, :-1]
-    probabilities = torch.softmax(model(inputs).logits, dim=-1).flatten(0, 1).double()
-    vocab = probabilities.shape[-1]
-    sums = torch.zeros(vocab, vocab, dtype=torch.float64, device=probabilities.device)
-    sums.index_add_(0, inputs.flatten(), probabilities)
-    return (sums / sums.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()
+    k, inputs = source.order, tokens[:, :-1].cpu()
+    contexts = source.context_index(inputs).flatten()
+    full = predicted[:, k - 1:].flatten(0, 1)
+    sums = torch.zeros(source.vocab_size**k, source.vocab_size, dtype=torch.float64)
+    sums.index_add_(0, contexts, full)
+    return sums / sums.sum(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def excess_loss(source: MarkovSource, tokens: torch.Tensor, predicted: torch.Tensor) -> dict[str, float]:
+    """How far the model's predictions are from the source's, measured three ways on ``tokens``, nats per prediction.
+
+    - ``model_minus_truth``: the model's loss minus the true distributions' loss on this
+      very text. Its expectation given the contexts is ``mean_kl``; what remains is the
+      text's noise, of standard error ``noise_se``.
+    - ``mean_kl``: KL(truth || model) at each prediction, averaged over all of them.
+    - ``kl_of_mean_rows`` and ``mean_kl_full_context``: over the predictions that have
+      seen k tokens only, the KL of ``learned_rows`` (the model's predictions averaged
+      within each context) against the true rows, and the mean KL of the same predictions
+      unaveraged. KL is convex in the model's distribution, so averaging first can only
+      lower it (Jensen): the difference is the averaging bias.
+    """
+    inputs, targets = tokens[:, :-1].cpu(), tokens[:, 1:].cpu()
+    truth = source.next_token_distributions(inputs)
+    kl = (truth * (truth.clamp_min(1e-300).log() - predicted.clamp_min(1e-300).log())).sum(dim=-1)
+    log_ratio = (truth.gather(-1, targets.unsqueeze(-1)).log() - predicted.gather(-1, targets.unsqueeze(-1)).log()).squeeze(-1)
+    k = source.order
+    contexts = source.context_index(inputs).flatten()
+    weights = torch.bincount(contexts, minlength=source.vocab_size**k).double() / contexts.numel()
+    rows, mean_rows = source.rows(), learned_rows(source, tokens, predicted)
+    row_kl = (rows * (rows.clamp_min(1e-300).log() - mean_rows.clamp_min(1e-300).log())).sum(dim=-1)
+    return {
+        "model_minus_truth": log_ratio.mean().item(),
+        "noise_se": ((log_ratio - kl).std() / math.sqrt(kl.numel())).item(),
+        "mean_kl": kl.mean().item(),
+        "mean_kl_full_context": kl[:, k - 1:].mean().item(),
+        "kl_of_mean_rows": (weights @ row_kl).item(),
+    }
+
+
+def bigram_loss(source: MarkovSource, microbatches, tokens: torch.Tensor) -> float:
+    """Held-out loss on ``tokens`` of the best bigram table for the training text: next-token counts after each token.
+
+    Add-one smoothing keeps every probability above zero; with thousands of counts per
+    row it moves the loss by well under 1e-3 nats.
+    """
+    vocab = source.vocab_size
+    counts = torch.ones(vocab, vocab, dtype=torch.float64)
+    for inputs, targets in microbatches:
+        counts.index_put_((inputs.flatten(), targets.flatten()), torch.ones(inputs.numel(), dtype=torch.float64),
+                          accumulate=True)
+    table = counts / counts.sum(dim=1, keepdim=True)
+    return -table[tokens[:, :-1], tokens[:, 1:]].log().mean().item()
 
 
 def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
@@ -241,9 +316,17 @@ def run_single_process(capstone: Capstone, optimizer: str, predicate=is_hidden_m
     with one_thread():  # like each torchrun rank
         losses, seconds, peak = train(model, optimizers, capstone.microbatches(), capstone.accum_steps,
                                       progress=progress)
-        held_out = capstone.held_out()
-        held_out_loss, learned = evaluate(model, held_out), learned_transition(model, held_out)
-    return RunResult(losses, held_out_loss, _typical(seconds), peak, held_bytes(model, optimizers), learned.tolist())
+        held_out_loss, learned, excess = _examine(model, capstone)
+    return RunResult(losses, held_out_loss, _typical(seconds), peak, held_bytes(model, optimizers), learned, excess)
+
+
+def _examine(model: nn.Module, capstone: Capstone) -> tuple[float, list[list[float]], dict[str, float]]:
+    """The trained model's held-out loss, learned rows and excess loss."""
+    source, held_out = capstone.source(), capstone.held_out()
+    device = next(model.parameters()).device
+    predicted = predictions(model, held_out.to(device))
+    return (evaluate(model, held_out.to(device)), learned_rows(source, held_out, predicted).tolist(),
+            excess_loss(source, held_out, predicted))
 
 
 def counted_bytes_per_step(p_m: int, accum_steps: int, zero3: bool, no_sync: bool) -> dict[str, int]:
@@ -281,16 +364,16 @@ def _run_dmuon(capstone: Capstone, mode: str, ranks, mesh) -> dict:
     # Each rank's loss is its share's mean; the shares are equal, so the global loss is their mean.
     losses = torch.tensor(local_losses, dtype=torch.float64, device=ranks.device)
     dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-    memory = per_rank((held_bytes(model, [optimizer]), peak, probe.peak))
+    memory = per_rank((held_bytes(model, [optimizer]), peak, probe.peak, probe.gradient_peak))
     steps = len(local_losses)
-    held_out = capstone.held_out().to(ranks.device)
+    held_out_loss, learned, excess = _examine(model, capstone)
     return {
-        **asdict(RunResult(losses.tolist(), evaluate(model, held_out), _typical(seconds),
-                           max(t[1] for t in memory), max(t[0] for t in memory),
-                           learned_transition(model, held_out).tolist())),
+        **asdict(RunResult(losses.tolist(), held_out_loss, _typical(seconds), max(t[1] for t in memory),
+                           max(t[0] for t in memory), learned, excess)),
         "held_bytes_per_rank": [t[0] for t in memory],
         "peak_bytes_per_rank": [t[1] for t in memory],
         "matrix_bytes_during_forward_per_rank": [t[2] for t in memory],
+        "matrix_gradient_bytes_during_forward_per_rank": [t[3] for t in memory],
         "comm_per_step": {op: [counts.calls[op] // steps, counts.bytes[op] // steps] for op in sorted(counts.calls)},
         "predicted_per_step": counted_bytes_per_step(p_m, capstone.accum_steps, zero3, uses_no_sync),
         "P_M": p_m,
@@ -313,10 +396,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = {}
         for mode in args.modes:
             result = results[mode] = _run_dmuon(capstone, mode, ranks, mesh)
-            shown = [step for step in range(0, len(result["losses"]), 50)] + [len(result["losses"]) - 1]
-            distributed.print0(f"dmuon {mode} on {ranks.world_size} ranks: loss "
-                               + ", ".join(f"step {s + 1} {result['losses'][s]:.2f}" for s in shown)
-                               + f"; held-out {result['held_out_loss']:.2f}")
+            # Two decimals of the first loss and the held-out loss only: they hold under other CPU kernels.
+            distributed.print0(f"dmuon {mode} on {ranks.world_size} ranks: {len(result['losses'])} optimizer steps, "
+                               f"loss {result['losses'][0]:.2f} at the first; held-out loss {result['held_out_loss']:.2f}")
         if dist.get_rank() == 0:
             args.results.write_text(json.dumps(results, indent=1))
 

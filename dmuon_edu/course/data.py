@@ -1,13 +1,14 @@
 """Token data the course generates itself: a seeded Markov source, and padded batches.
 
-A first-order Markov chain over a vocabulary of V tokens has a known
-entropy rate,
+A Markov chain of order k over a vocabulary of V tokens draws each token from a
+distribution that depends on the k tokens before it, its *context*. Its entropy rate,
 
-    H = sum_i pi_i * H(P[i, :])       (nats per token; pi is the stationary distribution),
+    H = sum_c pi_c * H(P[c, :])       (nats per token; pi: how often each context occurs),
 
-the lowest average next-token loss any model can reach on its text. The
-course uses it as the floor a training curve approaches. Nothing is
-downloaded.
+is the lowest average next-token loss any model can reach once it has seen k tokens.
+Order 1 (module 3) needs only the previous token; order 2 (the capstone) needs two, so a
+bigram table cannot reach its floor. Everything here is computed from the transition
+table by linear algebra, never by sampling. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -19,18 +20,27 @@ import torch
 
 from dmuon_edu.accumulation import IGNORE_INDEX
 
-__all__ = ["MarkovSource", "lm_batch"]
+__all__ = ["MarkovSource", "entropy", "lm_batch"]
+
+
+def entropy(distributions: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each distribution along the last dimension (0 log 0 = 0)."""
+    return -(distributions * torch.log(distributions.clamp_min(1e-300))).sum(dim=-1)
 
 
 @dataclass(frozen=True)
 class MarkovSource:
-    """A first-order Markov chain; ``transition[i, j]`` = P(next = j | current = i).
+    """A Markov chain of order k: ``transition[a_1, ..., a_k, j]`` = P(next = j | the last k tokens a_1 ... a_k).
+
+    ``transition`` has k + 1 dimensions of size V: a V x V matrix is a first-order chain.
+    A context (a_1, ..., a_k) is numbered in base V, a_1 most significant, so that
+    ``rows()[c]`` is its next-token distribution.
 
     Raises:
         TypeError: ``transition`` is not a floating-point tensor.
-        ValueError: it is not a square V x V matrix with V >= 2, or a row is not a
-            probability distribution (an entry NaN, infinite or negative, or a row sum
-            other than 1).
+        ValueError: it is not a square V x V matrix (or V x ... x V), V >= 2, or a row is
+            not a probability distribution (an entry NaN, infinite or negative, or a row
+            sum other than 1).
     """
 
     transition: torch.Tensor
@@ -41,65 +51,132 @@ class MarkovSource:
             got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
             raise TypeError(
                 f"transition must be a floating-point tensor, got {got}; "
-                "build it with torch.softmax(logits, dim=1), or use MarkovSource.random"
+                "build it with torch.softmax(logits, dim=-1), or use MarkovSource.random"
             )
-        if p.dim() != 2 or p.shape[0] != p.shape[1] or p.shape[0] < 2:
-            raise ValueError(f"transition must be a square V x V matrix with V >= 2, got shape {tuple(p.shape)}")
-        bad = ~(p.isfinite() & (p >= 0)).all(dim=1)
+        if p.dim() < 2 or p.shape[0] < 2 or any(size != p.shape[0] for size in p.shape):
+            raise ValueError(f"transition must be a square V x V matrix with V >= 2 (or V x ... x V for a "
+                             f"higher order), got shape {tuple(p.shape)}")
+        rows = self.rows()
+        bad = ~(rows.isfinite() & (rows >= 0)).all(dim=1)
         if bad.any():
             row = int(bad.nonzero()[0])
             raise ValueError(
-                f"row {row} of transition holds a NaN, infinite or negative entry: {p[row].tolist()}; "
+                f"row {row} of transition holds a NaN, infinite or negative entry: {rows[row].tolist()}; "
                 "every row must be a probability distribution"
             )
         # Each entry and each step of the sum rounds by at most eps / 2, so a row that is
         # a distribution up to rounding sums to 1 within V * eps.
-        off = (p.sum(dim=1) - 1).abs()
-        if off.max() > p.shape[1] * torch.finfo(p.dtype).eps:
+        off = (rows.sum(dim=1) - 1).abs()
+        if off.max() > rows.shape[1] * torch.finfo(p.dtype).eps:
             row = int(off.argmax())
             raise ValueError(
-                f"row {row} of transition sums to {float(p[row].sum())}, not 1: every row must be a "
+                f"row {row} of transition sums to {float(rows[row].sum())}, not 1: every row must be a "
                 "probability distribution; divide each row by its sum"
             )
 
     @classmethod
-    def random(cls, vocab_size: int, seed: int = 0, sharpness: float = 2.0) -> MarkovSource:
+    def random(cls, vocab_size: int, seed: int = 0, sharpness: float = 2.0, order: int = 1) -> MarkovSource:
         """A random chain; larger ``sharpness`` makes next tokens more predictable (lower entropy)."""
         if not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+        if not isinstance(order, int) or order < 1:
+            raise ValueError(f"order must be an int >= 1, got {order!r}")
         if not 0 <= sharpness < math.inf:  # infinite logits would make NaN rows
             raise ValueError(f"sharpness must be >= 0 and finite, got {sharpness}; 2.0 is the default")
         generator = torch.Generator().manual_seed(seed)
-        logits = sharpness * torch.randn(vocab_size, vocab_size, generator=generator, dtype=torch.float64)
-        return cls(torch.softmax(logits, dim=1))
+        logits = sharpness * torch.randn((vocab_size,) * (order + 1), generator=generator, dtype=torch.float64)
+        return cls(torch.softmax(logits, dim=-1))
 
     @property
     def vocab_size(self) -> int:
         return self.transition.shape[0]
 
+    @property
+    def order(self) -> int:
+        return self.transition.dim() - 1
+
+    def rows(self) -> torch.Tensor:
+        """(V^k, V): the next-token distribution of each context."""
+        return self.transition.reshape(-1, self.vocab_size)
+
+    def context_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The number of the context ending at each position of ``tokens`` (..., T): (..., T - k + 1)."""
+        return _base_v(tokens.unfold(-1, self.order, 1), self.vocab_size)
+
     def stationary(self) -> torch.Tensor:
-        """The distribution pi with pi P = pi (the left eigenvector for eigenvalue 1)."""
-        eigenvalues, eigenvectors = torch.linalg.eig(self.transition.T)
+        """(V^k,): the long-run frequency pi of each context (for order 1, of each token): pi M = pi.
+
+        M is the chain on contexts: (a_1, ..., a_k) moves to (a_2, ..., a_k, j) with
+        probability P(j | a_1 ... a_k); pi is its left eigenvector for eigenvalue 1.
+        """
+        vocab, contexts = self.vocab_size, self.vocab_size**self.order
+        following = (torch.arange(contexts) % (contexts // vocab)) * vocab  # drop a_1, shift left, append j
+        moves = torch.zeros(contexts, contexts, dtype=self.transition.dtype)
+        moves[torch.arange(contexts).unsqueeze(1), following.unsqueeze(1) + torch.arange(vocab)] = self.rows()
+        eigenvalues, eigenvectors = torch.linalg.eig(moves.T)
         pi = eigenvectors[:, torch.argmin((eigenvalues - 1).abs())].real
         return pi / pi.sum()
 
     def entropy_rate(self) -> float:
-        """Nats per token: the loss floor of a next-token model on this source."""
-        p = self.transition
-        row_entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=1)
-        return float(self.stationary() @ row_entropy)
+        """Nats per token: the loss floor of a next-token model that has seen at least k tokens."""
+        return float(self.stationary() @ entropy(self.rows()))
+
+    def leading_joints(self) -> list[torch.Tensor]:
+        """The stationary joint distribution of a sequence's first t + 1 tokens, for t = 0 ... k - 1.
+
+        A sequence starts with a context drawn from pi, so its first t + 1 tokens follow
+        pi's marginal over the first t + 1 coordinates: a (V^t, V) table, row = the first t
+        tokens (in base V), column = token t.
+        """
+        k, vocab = self.order, self.vocab_size
+        pi = self.stationary().reshape((vocab,) * k)
+        # (sum over an empty tuple of dimensions would sum them all)
+        return [(pi.sum(dim=tuple(range(t + 1, k))) if t + 1 < k else pi).reshape(-1, vocab) for t in range(k)]
+
+    def position_floors(self, seq_len: int) -> torch.Tensor:
+        """(seq_len,): the lowest expected loss of each prediction in a sequence of seq_len + 1 tokens, nats.
+
+        Prediction t (of token t + 1, having seen t + 1 tokens) can use the whole row only
+        once it has seen k tokens; before that it can do no better than the conditional
+        entropy H(X_{t+1} | X_0 ... X_t) = H(X_0 ... X_{t+1}) - H(X_0 ... X_t).
+        """
+        joints = [entropy(joint.flatten()) for joint in self.leading_joints()]
+        early = [joints[t + 1] - joints[t] for t in range(min(self.order - 1, seq_len))]
+        return torch.tensor(early + [self.entropy_rate()] * (seq_len - len(early)), dtype=torch.float64)
+
+    def next_token_distributions(self, inputs: torch.Tensor) -> torch.Tensor:
+        """(B, T, V): the true distribution of each next token given every input token up to it."""
+        k = self.order
+        out = torch.empty(*inputs.shape, self.vocab_size, dtype=self.transition.dtype)
+        out[:, k - 1:] = self.rows()[self.context_index(inputs)]
+        joints = self.leading_joints()
+        for t in range(min(k - 1, inputs.shape[1])):  # fewer than k tokens seen: the conditional of pi's leading tokens
+            joint = joints[t + 1][_base_v(inputs[:, : t + 1], self.vocab_size)]
+            out[:, t] = joint / joint.sum(dim=-1, keepdim=True)
+        return out
 
     def sample(self, num_sequences: int, length: int, generator: torch.Generator) -> torch.Tensor:
-        """(num_sequences, length) token ids, each sequence started from the stationary distribution."""
+        """(num_sequences, length) token ids, each sequence's first k tokens drawn from the stationary distribution."""
         for name, value in (("num_sequences", num_sequences), ("length", length)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        tokens = torch.empty(num_sequences, length, dtype=torch.long)
+        k, vocab = self.order, self.vocab_size
+        tokens = torch.empty(num_sequences, max(length, k), dtype=torch.long)
         start = self.stationary().clamp_min(0).expand(num_sequences, -1)
-        tokens[:, 0] = torch.multinomial(start, 1, generator=generator).squeeze(1)
-        for t in range(1, length):
-            tokens[:, t] = torch.multinomial(self.transition[tokens[:, t - 1]], 1, generator=generator).squeeze(1)
-        return tokens
+        context = torch.multinomial(start, 1, generator=generator).squeeze(1)
+        for i in range(k):
+            tokens[:, i] = context // vocab ** (k - 1 - i) % vocab
+        rows = self.rows()
+        for t in range(k, length):
+            tokens[:, t] = torch.multinomial(rows[context], 1, generator=generator).squeeze(1)
+            context = context % vocab ** (k - 1) * vocab + tokens[:, t]  # drop the oldest token, append the new one
+        return tokens[:, :length]
+
+
+def _base_v(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The tokens along the last dimension read as one number in base ``vocab``, the first most significant."""
+    powers = vocab ** torch.arange(tokens.shape[-1] - 1, -1, -1, device=tokens.device)
+    return (tokens * powers).sum(dim=-1)
 
 
 def lm_batch(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
