@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dmuon_edu.course import grading, notebooks
 from dmuon_edu.launch import torchrun
 
 pytestmark = pytest.mark.torchrun
@@ -83,3 +84,27 @@ def test_a_wrong_answer_fails_with_the_hint_that_names_it(verdicts, variant):
     assert verdict["status"] == ("RAISED" if raised else "FAIL"), verdict
     for words in EXPECTED[variant]:
         assert words in verdict["message"], (words, verdict)
+
+
+SCRIPTS = sorted(notebooks.SOLUTION_SCRIPTS.glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def learner_copies(tmp_path_factory):
+    """Fresh learner copies of every exercise script (not notebooks/scripts/, where a learner works)."""
+    folder = tmp_path_factory.mktemp("learner")
+    for script in SCRIPTS:
+        (folder / script.name).write_text(notebooks.learner_script(script.read_text(), script.name))
+    return [folder / script.name for script in SCRIPTS]
+
+
+def test_every_learner_script_is_a_real_exercise(learner_copies):
+    # One launch for all of them; one rank suffices to reach a stub, and starts faster than two.
+    result = torchrun(DIST / "run_scripts.py", nproc=1, args=["--stubs", *learner_copies], echo=False, timeout=300)
+    raised = dict(line.split()[1:] for line in result.stdout(0).splitlines() if line.startswith("RAISED "))
+    assert raised == {script.stem: "NotImplementedError" for script in SCRIPTS}
+
+
+def test_the_grader_reports_a_learner_stub_as_not_attempted(learner_copies):
+    status = grading.grade_script(learner_copies[0], nproc=1)
+    assert status.status == "not attempted", status
