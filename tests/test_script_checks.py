@@ -45,6 +45,8 @@ EXPECTED = {
     "prepare_fully_shard_first": ["already sharded by fully_shard", "call dmuon.dedicate_params(model, mesh, predicate) first"],
     "train_without_no_sync": ["reduce, Z3, no_sync moved 196608 bytes", "4x the traffic", "inside the no_sync(model)"],
     "train_steps_inside_no_sync": ["optimizer.step() inside dmuon.no_sync(model)"],
+    "train_steps_every_micro_batch": ["broadcast, Z2, no_sync moved 196608 bytes", "4x the traffic",
+                                      "call optimizer.step() and zero_grad() once per window"],
     "resume_model_only": ["the momentum did not come back", "the AdamW state did not come back",
                           "dmuon.set_optimizer_state_dict", "step 3 is"],
     "resume_optimizer_only": ["the weights did not come back", "dmuon.set_model_state_dict", "step 3 is"],

@@ -104,6 +104,19 @@ def train_steps_inside_no_sync(model, optimizer, dataloader, accum_steps, no_syn
     return losses
 
 
+def train_steps_every_micro_batch(model, optimizer, dataloader, accum_steps, no_sync=None):
+    # Every step releases the broadcast copies, so Z2 broadcasts again in every micro-batch.
+    losses = []
+    for i, batch in enumerate(dataloader):
+        loss = model(batch).loss / accum_steps
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if (i + 1) % accum_steps == 0:
+            losses.append(loss.item() * accum_steps)
+    return losses
+
+
 # --------------------------------------------------------------- 06_reduce_broadcast: reduce_step_broadcast
 def all_reduce_instead_of_reduce(dedicated, owners, muon):
     for p in dedicated.values():
@@ -406,6 +419,7 @@ MUTATIONS = [
     ("06_owners_only", "prepare", prepare_fully_shard_first),
     ("06_z2_z3_training", "train", train_without_no_sync),
     ("06_z2_z3_training", "train", train_steps_inside_no_sync),
+    ("06_z2_z3_training", "train", train_steps_every_micro_batch),
     ("06_save_and_resume", "resume", resume_model_only),
     ("06_save_and_resume", "resume", resume_optimizer_only),
     ("06_save_and_resume", "resume", loaded_but_not_handed_back),
