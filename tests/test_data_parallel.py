@@ -253,9 +253,15 @@ def test_killing_torchrun_itself_leaves_no_rank_behind(tmp_path):
 
 def test_ctrl_c_stops_every_process_of_the_job(tmp_path):
     # A real SIGINT to the main thread, where it interrupts the launcher's wait as Ctrl-C in a notebook does.
+    # Python's own handler, as a terminal or a kernel has it: a suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and then no KeyboardInterrupt could come.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     acted = _when_both_ranks_run(tmp_path, lambda _: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))
-    with pytest.raises(KeyboardInterrupt):
-        torchrun(DIST / "sleep_and_record_pid.py", nproc=2, args=[tmp_path], echo=False, timeout=30)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            torchrun(DIST / "sleep_and_record_pid.py", nproc=2, args=[tmp_path], echo=False, timeout=30)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert acted and time.monotonic() - acted[0] < 10  # SIGTERM's 5 s grace, and a margin
     processes = _ranks_and_torchrun(tmp_path)
     assert len(processes) == 3 and not any(map(_alive, processes)), processes
