@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .newton_schulz import batching_pays, newton_schulz
+from .newton_schulz import batching_pays, check_ns_dtype, newton_schulz
 
 __all__ = ["Muon", "muon_param_groups", "check_hyperparameters", "ADJUST_LR_FNS"]
 
@@ -50,9 +50,13 @@ class Muon(torch.optim.Optimizer):
         weight_decay: :math:`\lambda` (>= 0), decoupled: W shrinks by a factor 1 - lr * wd.
         adjust_lr_fn: "original" or "match_rms_adamw", the shape factor s(m, n).
         ns_steps: Newton-Schulz steps (>= 1), Keller Jordan's coefficients.
-        ns_dtype: precision of the Newton-Schulz products. bf16 is what every peer
-            uses; torch.float32 makes the step match a float64 evaluation of the
-            update to float32 accuracy (for reference computations).
+        ns_dtype: precision of the Newton-Schulz products. ``"auto"`` takes
+            newton_schulz.fast_dtype of each parameter's device: bf16 where the
+            hardware multiplies it natively (what every peer uses on GPUs), float32
+            elsewhere (a CPU without native bf16 emulates it tens of times slower);
+            the environment variable DMUON_EDU_NS_DTYPE overrides that choice. A
+            torch.dtype is used as given: torch.float32 makes the step match a float64
+            evaluation of the update to float32 accuracy (for reference computations).
 
     Raises:
         TypeError: ``params`` is a set, a parameter is not real floating point, or a
@@ -67,7 +71,9 @@ class Muon(torch.optim.Optimizer):
     - ``p.grad`` is never modified. (Keller Jordan's Muon writes the Nesterov blend
       into ``p.grad``; a misplaced ``zero_grad`` then starts the next accumulation
       window from the blend instead of from zero.)
-    - Same as torch.optim.Muon up to bf16 rounding, with the same hyperparameters.
+    - Same as torch.optim.Muon up to bf16 rounding, with the same hyperparameters and
+      ``ns_dtype=torch.bfloat16`` (torch always multiplies in bf16; "auto" may choose
+      float32, which then differs from torch's step by torch's own bf16 error).
       torch keeps an exponential moving average, ``buf.lerp_(g, 1 - mu)``, which is
       (1 - mu) times the buffer B above, so its U is (1 - mu) times this U. NS
       divides U by its norm first, so the constant factor drops out (up to eps).
@@ -113,7 +119,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         adjust_lr_fn: str = "original",
         ns_steps: int = 5,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = "auto",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -279,7 +285,7 @@ def check_hyperparameters(h: dict) -> None:
 
     Raises:
         TypeError: a value has the wrong type (a number given as a string or a bool, a
-            float ``ns_steps``, a non-floating ``ns_dtype``).
+            float ``ns_steps``, an ``ns_dtype`` that is neither "auto" nor a floating dtype).
         ValueError: a number is NaN, infinite or out of range, or ``lr * weight_decay``
             is 1 or more (the decay factor 1 - lr * weight_decay would zero or flip the
             weights at every step).
@@ -316,8 +322,7 @@ def check_hyperparameters(h: dict) -> None:
         raise TypeError(f"ns_steps must be an int, got {type(h['ns_steps']).__name__}")
     if h["ns_steps"] < 1:
         raise ValueError(f"ns_steps must be >= 1, got {h['ns_steps']}; 5 is the usual value")
-    if not isinstance(h["ns_dtype"], torch.dtype) or not h["ns_dtype"].is_floating_point:
-        raise TypeError(f"ns_dtype must be a floating torch.dtype such as torch.bfloat16, got {h['ns_dtype']!r}")
+    check_ns_dtype(h["ns_dtype"], "ns_dtype")
 
 
 def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

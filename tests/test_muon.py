@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import dmuon_edu.muon as muon_module
+import dmuon_edu.newton_schulz as newton_schulz_module
 from dmuon_edu.muon import Muon, muon_param_groups
 
 JORDAN = (3.4445, -4.7750, 2.0315)
@@ -100,7 +101,7 @@ def test_float32_step_matches_the_float64_contract(adjust_lr_fn, nesterov, weigh
 
 def test_bf16_step_is_close_to_the_float64_contract():
     W0s, grads = random(SHAPES, steps=3, seed=1)
-    params, _ = run(Muon, W0s, grads, lr=0.02, weight_decay=0.1)
+    params, _ = run(Muon, W0s, grads, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
     for i, (p, W0) in enumerate(zip(params, W0s)):
         expected = contract_float64(W0, [g[i] for g in grads], [0.02] * 3, weight_decay=0.1)
         assert relative_error(p, W0, expected) < BF16_RTOL
@@ -110,12 +111,31 @@ def test_bf16_step_is_close_to_the_float64_contract():
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_agrees_with_torch_optim_muon(adjust_lr_fn, nesterov):
     # torch's momentum is an EMA, (1 - mu) times ours; NS normalisation removes the factor.
+    # torch always multiplies in bf16, so ours does too here: like with like.
     W0s, grads = random(SHAPES, steps=3, seed=2)
     hyper = dict(lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn)
-    ours, _ = run(Muon, W0s, grads, **hyper)
+    ours, _ = run(Muon, W0s, grads, ns_dtype=torch.bfloat16, **hyper)
     theirs, _ = run(torch.optim.Muon, W0s, grads, **hyper)
     for p, q, W0 in zip(ours, theirs, W0s):
         assert relative_error(p, W0, q.detach().double()) < BF16_RTOL
+
+
+@pytest.mark.parametrize("machine, expected", [
+    (dict(flags=frozenset()), torch.float32),                        # a CPU without native bf16
+    (dict(flags=frozenset({"avx512_bf16"})), torch.bfloat16),         # one with it
+    (dict(flags=frozenset({"avx512_bf16"}), env="float32"), torch.float32),  # the override wins
+])
+def test_the_default_ns_dtype_is_the_fast_one_for_the_machine(machine, expected, monkeypatch):
+    monkeypatch.setattr(newton_schulz_module, "cpu_bf16_flags", lambda: machine["flags"])
+    if "env" in machine:
+        monkeypatch.setenv(newton_schulz_module.NS_DTYPE_ENV, machine["env"])
+    else:
+        monkeypatch.delenv(newton_schulz_module.NS_DTYPE_ENV, raising=False)
+    W0s, grads = random(SHAPES, steps=2, seed=4)
+    default, opt = run(Muon, W0s, grads, lr=0.02)
+    explicit, _ = run(Muon, W0s, grads, lr=0.02, ns_dtype=expected)
+    assert all(torch.equal(p, q) for p, q in zip(default, explicit))
+    assert opt.param_groups[0]["ns_dtype"] == "auto"  # decided per step and device, not frozen at construction
 
 
 def test_gradient_scale_does_not_change_the_update():

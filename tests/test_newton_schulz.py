@@ -3,13 +3,17 @@
 import pytest
 import torch
 
+from dmuon_edu import newton_schulz as ns_module
 from dmuon_edu.newton_schulz import (
     COEFFICIENTS,
     JORDAN,
+    NS_DTYPE_ENV,
     POLAR_EXPRESS_AS_PUBLISHED,
     YOU,
     _iterate,
     _normalise,
+    cpu_bf16_flags,
+    fast_dtype,
     newton_schulz,
 )
 
@@ -66,7 +70,7 @@ def test_matches_float64_reference_in_float32(shape, name):
 @pytest.mark.parametrize("shape", [(64, 64), (32, 128), (128, 32), (256, 1024)])
 def test_bf16_is_close_to_float64(shape):
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-    out = newton_schulz(G)
+    out = newton_schulz(G, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     # bf16 keeps 8 significant bits (rounding 2^-9 = 0.2%); fifteen chained products
     # compound that to 1-2% (torch.optim.Muon's own bf16 path measures 1.1-1.8% on these
@@ -135,7 +139,7 @@ def test_singular_values_lie_in_the_promised_band(name):
 
 
 def test_singular_values_in_bf16_stay_near_the_band():
-    s = torch.linalg.svdvals(newton_schulz(with_singular_values(64, 128, 1.0, 10.0)).double())
+    s = torch.linalg.svdvals(newton_schulz(with_singular_values(64, 128, 1.0, 10.0), dtype=torch.bfloat16).double())
     # bf16 moves singular values by ~1% (see test_bf16_is_close_to_float64): widen by 0.03.
     assert s.min() >= 0.6818 - 0.03 and s.max() <= 1.1344 + 0.03
 
@@ -203,7 +207,7 @@ def test_tall_is_the_transpose_of_wide(shape):
 
 
 def test_zero_matrix_maps_to_zero():
-    assert torch.equal(newton_schulz(torch.zeros(8, 16)), torch.zeros(8, 16, dtype=torch.bfloat16))
+    assert torch.equal(newton_schulz(torch.zeros(8, 16), dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("G", [torch.randn(16, 48), torch.randn(3, 16, 48), list(torch.randn(3, 16, 48))],
@@ -241,3 +245,89 @@ def test_input_is_not_modified_unless_overwrite_input(G):
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         newton_schulz(**kwargs)
+
+
+# --- dtype="auto": the precision the hardware multiplies fast ---------------------------------
+
+@pytest.mark.parametrize("flags, expected", [
+    (frozenset(), torch.float32),                          # AVX2 only (most laptops), or no flag known
+    (frozenset({"avx512_bf16"}), torch.bfloat16),          # Cooper Lake, Zen 4 and newer
+    (frozenset({"amx_tile"}), torch.bfloat16),             # Sapphire Rapids and newer
+    (frozenset({"avx512_bf16", "amx_tile"}), torch.bfloat16),
+    (frozenset({"bf16"}), torch.bfloat16),                 # 64-bit Arm with FEAT_BF16 (Graviton3, Neoverse V1)
+])
+def test_auto_on_cpu_follows_the_bf16_flags(flags, expected, monkeypatch):
+    monkeypatch.delenv(NS_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(ns_module, "cpu_bf16_flags", lambda: flags)
+    assert fast_dtype("cpu") == expected
+    assert newton_schulz(torch.randn(8, 16)).dtype == expected
+
+
+@pytest.mark.parametrize("machine, x86_flags, cpuinfo, expected", [
+    ("x86_64", (False, False), None, frozenset()),
+    ("x86_64", (True, False), None, frozenset({"avx512_bf16"})),
+    ("x86_64", (False, True), None, frozenset({"amx_tile"})),
+    ("aarch64", (False, False), "Features\t: fp asimd sve bf16 i8mm\n", frozenset({"bf16"})),
+    ("aarch64", (False, False), "Features\t: fp asimd evtstrm crc32\n", frozenset()),
+    ("arm64", (False, False), None, frozenset()),  # macOS: no /proc/cpuinfo, no flag read
+])
+def test_cpu_bf16_flags_read_the_cpu_and_nothing_else(machine, x86_flags, cpuinfo, expected, monkeypatch, tmp_path):
+    monkeypatch.setattr(ns_module.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: x86_flags[0])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: x86_flags[1])
+    info = tmp_path / "cpuinfo"  # absent where cpuinfo is None
+    if cpuinfo is not None:
+        info.write_text("processor\t: 0\n" + cpuinfo)
+    monkeypatch.setattr(ns_module, "_CPUINFO", str(info))
+    assert cpu_bf16_flags() == expected
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_cuda_asks_for_native_bf16(native, expected, monkeypatch):
+    asked = []
+    monkeypatch.delenv(NS_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(including_emulation) or native)
+    assert fast_dtype("cuda:0") == expected
+    assert asked == [False]  # an emulated bf16 (before compute capability 8.0) is the slow choice
+
+
+def test_auto_on_other_devices_is_float32(monkeypatch):
+    monkeypatch.delenv(NS_DTYPE_ENV, raising=False)
+    assert fast_dtype(torch.device("meta")) == torch.float32
+
+
+@pytest.mark.parametrize("value, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                             ("float16", torch.float16), ("float64", torch.float64)])
+def test_the_environment_variable_overrides_the_flags_on_every_device(value, expected, monkeypatch):
+    monkeypatch.setattr(ns_module, "cpu_bf16_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setenv(NS_DTYPE_ENV, value)
+    assert fast_dtype("cpu") == fast_dtype("cuda") == expected
+    assert newton_schulz(torch.randn(8, 16)).dtype == expected
+
+
+def test_a_bad_environment_variable_names_the_choices(monkeypatch):
+    monkeypatch.setenv(NS_DTYPE_ENV, "bf16")
+    with pytest.raises(ValueError, match=f"{NS_DTYPE_ENV}='bf16' names no Newton-Schulz dtype.*bfloat16"):
+        newton_schulz(torch.randn(4, 4))
+
+
+def test_an_explicit_dtype_wins_over_auto(monkeypatch):
+    monkeypatch.setenv(NS_DTYPE_ENV, "float32")
+    assert newton_schulz(torch.randn(8, 16), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype, match", [("bfloat16", "pass torch.bfloat16"), ("fast", "got the string 'fast'"),
+                                          (torch.int32, "floating torch.dtype")])
+def test_a_dtype_that_is_neither_auto_nor_floating_is_refused(dtype, match):
+    with pytest.raises(TypeError, match=match):
+        newton_schulz(torch.randn(4, 4), dtype=dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_this_gpu_is_bf16_from_ampere_on(monkeypatch):
+    monkeypatch.delenv(NS_DTYPE_ENV, raising=False)
+    native = torch.version.hip is not None or torch.cuda.get_device_properties(0).major >= 8
+    assert fast_dtype("cuda") == (torch.bfloat16 if native else torch.float32)
+    assert newton_schulz(torch.randn(64, 128, device="cuda")).dtype == fast_dtype("cuda")

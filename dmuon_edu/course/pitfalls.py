@@ -228,7 +228,7 @@ class GradOverwritingMuon(torch.optim.Optimizer):
     loop that does not clear it accumulates the next window onto the blend.
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.95, ns_steps: int = 5, ns_dtype=torch.bfloat16):
+    def __init__(self, params, lr: float, momentum: float = 0.95, ns_steps: int = 5, ns_dtype="auto"):
         check_hyperparameters(dict(lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
                                     adjust_lr_fn="original", ns_steps=ns_steps, ns_dtype=ns_dtype))
         super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, ns_dtype=ns_dtype))

@@ -99,7 +99,7 @@ class Muon(torch.optim.Optimizer):
         *,
         nesterov: bool = True,
         adjust_lr_fn: str = "match_rms_adamw",
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = "auto",
         forward_prefetch_depth: int = 1,
         replicate_async: bool = True,
     ) -> None:
