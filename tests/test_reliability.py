@@ -207,7 +207,8 @@ def _inject(fault, tmp_path):
 @pytest.mark.torchrun
 def test_fault_rank_raises_mid_step(tmp_path):
     error, seconds = _inject("raise", tmp_path)
-    assert seconds < 30  # from the raise to the launcher's error (measured ~2 s on an idle 2-core machine)
+    # A hang guard, well inside the launcher's 120 s: ~2 s from the raise to the error on an idle 2-core machine.
+    assert seconds < 60
     assert error.rank == 1 and error.exception == "ValueError: injected failure on rank 1 in the middle of step 1"
     assert str(error) == "rank 1 failed: ValueError: injected failure on rank 1 in the middle of step 1"
     assert processes_running("reliability_faults.py") == []
@@ -216,7 +217,8 @@ def test_fault_rank_raises_mid_step(tmp_path):
 @pytest.mark.torchrun
 def test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout(tmp_path):
     error, seconds = _inject("silent", tmp_path)
-    assert 4 < seconds < 30  # the script's 5 s collective timeout ended it, not the launcher's 120 s
+    # The script's 5 s collective timeout ended it, not the launcher's 120 s (a hang guard with room for load).
+    assert 4 < seconds < 60
     assert error.rank == 0 and "Timed out" in error.exception
     message = str(error)
     assert "\n" not in message
