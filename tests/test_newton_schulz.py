@@ -1,5 +1,7 @@
 """Newton-Schulz orthogonalisation against an independent float64 implementation."""
 
+import os
+
 import pytest
 import torch
 
@@ -322,6 +324,16 @@ def test_an_explicit_dtype_wins_over_auto(monkeypatch):
 def test_a_dtype_that_is_neither_auto_nor_floating_is_refused(dtype, match):
     with pytest.raises(TypeError, match=match):
         newton_schulz(torch.randn(4, 4), dtype=dtype)
+
+
+@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") != "avx2",
+                    reason="checks make test's emulated AVX2 stage (tests/stages.sh), which sets ATEN_CPU_CAPABILITY=avx2")
+def test_the_avx2_emulation_took_effect():
+    # torch dispatches to its AVX2 kernels, and "auto" takes float32 as on a CPU without native bf16.
+    # (The stage prints the matmul rates: bf16 falls from ~200 to ~2 GFLOP/s on a CPU with AVX512-BF16.)
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2"  # oneDNN's bf16 kernels too
+    assert fast_dtype("cpu") == torch.float32
 
 
 @pytest.mark.cuda
