@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/bench_muon.py        # about 2 minutes on a 2-core CPU
 
 Both optimizers get the same parameters and the same gradients, with the same
-hyperparameters and bf16 Newton-Schulz. Method: warm-up steps first; then the two
+hyperparameters and bf16 Newton-Schulz: torch.optim.Muon always multiplies in bf16, so
+ours is given ``ns_dtype=torch.bfloat16`` (like with like), not its default "auto",
+which on a CPU without native bf16 takes float32 (``step_times(shape, "auto")`` times
+that default against torch's bf16 step). Method: warm-up steps first; then the two
 optimizers' steps are interleaved (alternating which goes first) so that drift in the
 machine's speed hits both alike. Each row reports the median step times and the
 median of the per-repeat ratios ours / torch (< 1: we are faster), which is robust
@@ -84,7 +87,7 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-def step_times(shape):
+def step_times(shape, ns_dtype=torch.bfloat16):
     torch.manual_seed(0)
     W0 = [torch.randn(shape) for _ in range(MATRICES)]
     ours = [torch.nn.Parameter(w.clone()) for w in W0]
@@ -92,7 +95,7 @@ def step_times(shape):
     for a, b in zip(ours, theirs):
         a.grad = torch.randn(shape)
         b.grad = a.grad.clone()
-    opt_ours, opt_torch = Muon(ours, **HYPER), torch.optim.Muon(theirs, **HYPER)
+    opt_ours, opt_torch = Muon(ours, **HYPER, ns_dtype=ns_dtype), torch.optim.Muon(theirs, **HYPER)
     for _ in range(3):
         opt_ours.step()
         opt_torch.step()
@@ -112,7 +115,7 @@ def ns_times(shape):
     G = torch.randn(MATRICES, *shape)
     per_step = [JORDAN] * 5
     variants = {
-        "ours, one matrix at a time": lambda: [newton_schulz(g) for g in G],
+        "ours, one matrix at a time": lambda: [newton_schulz(g, dtype=torch.bfloat16) for g in G],
         "ours, batched torch.baddbmm": lambda: _iterate(_normalise(G, 1e-7, torch.bfloat16, torch.empty_like(G)), per_step),
         "torch, one matrix at a time": lambda: [torch.optim._muon._zeropower_via_newtonschulz(g, JORDAN, 5, 1e-7) for g in G],
     }
@@ -137,7 +140,7 @@ def main():
         ours, theirs, ratio = step_times(shape)
         errors = []
         for make_grad in (torch.randn, ill_conditioned):
-            e_ours = update_error(lambda p: Muon(p, **HYPER), shape, make_grad)
+            e_ours = update_error(lambda p: Muon(p, **HYPER, ns_dtype=torch.bfloat16), shape, make_grad)
             e_torch = update_error(lambda p: torch.optim.Muon(p, **HYPER), shape, make_grad)
             errors.append(f"{e_ours:.4f} / {e_torch:.4f} ({e_ours / e_torch:.2f}x)")
         print(f"| {label} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ratio:.2f} | {errors[0]} | {errors[1]} |")

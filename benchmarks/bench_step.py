@@ -144,8 +144,10 @@ def measure(nproc: int) -> list[str]:
 
 
 def main():
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores; the course's small GPT (d 256, 4 layers), "
-          f"{MICRO_BATCHES} micro-batches of {BATCH} x {TOKENS} tokens per rank; medians of {REPEATS}, slowest rank\n")
+    from machine import describe
+
+    print(f"{describe()}\nThe course's small GPT (d 256, 4 layers), {MICRO_BATCHES} micro-batches of {BATCH} x {TOKENS} "
+          f"tokens per rank; medians of {REPEATS}, slowest rank\n")
     print("| W ranks | setup | step (ms) | blocked on dmuon's collectives (ms, share) | ratio to FSDP2 + AdamW |")
     print("|---|---|---|---|---|")
     for nproc in (2, 4):

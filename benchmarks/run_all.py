@@ -35,7 +35,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_step  # noqa: E402
+import machine  # noqa: E402
 import order_check  # noqa: E402
 
 from dmuon_edu.course import capstone  # noqa: E402
@@ -56,7 +56,7 @@ from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
 from dmuon_edu.course.gpt import GPT, GPTConfig  # noqa: E402
 from dmuon_edu.launch import RankFailedError, torchrun  # noqa: E402
 from dmuon_edu.memory import peak_memory_bytes  # noqa: E402
-from dmuon_edu.newton_schulz import batching_pays, newton_schulz  # noqa: E402
+from dmuon_edu.newton_schulz import batching_pays, fast_dtype, newton_schulz  # noqa: E402
 
 HEADER = "| benchmark | measured | against | ratio |\n|---|---|---|---|"
 GPU_NS_SHAPES = {"square 4096x4096": (4096, 4096), "4:1 2048x8192": (2048, 8192)}
@@ -69,11 +69,17 @@ def row(benchmark: str, measured: str, against: str, ratio: float) -> str:
 
 
 def muon_step_rows() -> list[str]:
+    """Both in bf16 (torch always is), then ours with its default dtype "auto" on one shape."""
     rows = []
     for label, shape in bench_muon.SHAPES.items():
         ours, theirs, ratio = bench_muon.step_times(shape)
-        rows.append(row(f"Muon step, {label}, {bench_muon.MATRICES} matrices", f"dmuon_edu.Muon {ours * 1e3:.1f} ms",
+        rows.append(row(f"Muon step, {label}, {bench_muon.MATRICES} matrices, both bf16", f"dmuon_edu.Muon {ours * 1e3:.1f} ms",
                         f"torch.optim.Muon {theirs * 1e3:.1f} ms", ratio))
+    label = "square 512x512"
+    ours, theirs, ratio = bench_muon.step_times(bench_muon.SHAPES[label], "auto")
+    chosen = str(fast_dtype("cpu"))[6:]
+    rows.append(row(f'Muon step, {label}, {bench_muon.MATRICES} matrices, ours ns_dtype="auto" ({chosen} here)',
+                    f"dmuon_edu.Muon {ours * 1e3:.1f} ms", f"torch.optim.Muon, bf16, {theirs * 1e3:.1f} ms", ratio))
     return rows
 
 
@@ -196,7 +202,7 @@ def gpu_rows() -> list[str]:
     rows = []
     for label, shape in GPU_NS_SHAPES.items():
         G = torch.randn(GPU_NS_MATRICES, *shape, device=device)
-        ns_s = _cuda_seconds(lambda: newton_schulz(G))
+        ns_s = _cuda_seconds(lambda: newton_schulz(G, dtype=torch.bfloat16))
         m, n = sorted(shape)
         flops = GPU_NS_MATRICES * 5 * (4 * m * m * n + 2 * m**3)  # direct NS5, as in bench_muon
         ns_tflops = flops / ns_s / 1e12
@@ -217,17 +223,6 @@ def _cuda_seconds(fn, repeats: int = 10) -> float:
         torch.cuda.synchronize()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
-    return f"{os.cpu_count()}-core {platform.machine()} CPU ({cpu}){gpu}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def main(argv=None) -> None:
@@ -254,7 +249,7 @@ def main(argv=None) -> None:
             raise
     minutes = (time.perf_counter() - start) / 60
     table = "\n".join([
-        f"Measured {datetime.date.today().isoformat()} on a {machine()}; {torch.get_num_threads()} threads "
+        f"Measured {datetime.date.today().isoformat()} on a {machine.describe()}; {torch.get_num_threads()} threads "
         f"in this process, one per rank under torchrun; load average {load_before:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end; {minutes:.1f} minutes. ratio = measured / against: below 1, less time, memory "
         "or bytes; for throughput, the fraction of matmul speed that Newton-Schulz reaches.",

@@ -13,8 +13,8 @@ after every optimizer step, and counts what each sends:
 - Z2 (False): broadcast once, at the window's first forward, 1 * P_M per step;
 - reduce: 1 * P_M per step with no_sync, k * P_M without.
 
-Then the accumulation guide's loop itself, with its optimizer settings (bf16 Newton-Schulz,
-lr=0.02, adamw_lr=1e-3), for 15 optimizer steps on a stream of batches each rank
+Then the accumulation guide's loop itself, with its optimizer settings (lr=0.02, adamw_lr=1e-3,
+Newton-Schulz in its default precision, "auto": bf16 where the CPU multiplies it natively), for 15 optimizer steps on a stream of batches each rank
 draws for itself, as a real dataloader would: its loss must fall.
 
 Usage: torchrun --nproc-per-node=2 06_z2_z3_training.py [results.json]
@@ -139,7 +139,7 @@ def main(ranks):
     guide_losses = train(model, optimizer, dataloader, k)
     distributed.print0(f"the accumulation guide's loop on {ranks.world_size} ranks, Z3, {k} micro-batches per optimizer step:")
     for step, loss in enumerate(guide_losses, start=1):
-        # The guide prints .4f; bf16 Newton-Schulz rounds differently in those last digits on other CPUs.
+        # The guide prints .4f; other CPUs, and "auto" taking float32 instead of bf16, move those last digits.
         distributed.print0(f"  step {step}: loss={loss:.2f}")
 
     distributed.print0(f"Z2 and Z3, with and without no_sync, against the single-process step "
