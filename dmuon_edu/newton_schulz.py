@@ -45,7 +45,7 @@ Two ways to compute the same iterates, chosen by shape:
   Fusing more than two steps saves more but is not accurate in bf16: the accumulated
   polynomial multiplies rounding errors by up to ~1/sigma_min of X_0. Measured for
   512 x 2048 in bf16 (relative error against a float64 run, divided by the error of
-  torch.optim.Muon's bf16 path on the same input; 2-core x86_64 CPU, torch 2.13):
+  torch.optim.Muon's bf16 path on the same input; 2-core x86_64 CPU with native bf16, torch 2.13):
 
   ====================  ============  ==========  ===============  =============
   steps per segment     flops vs      error,      error, singular  error, rank 8
@@ -148,7 +148,7 @@ GRAM_SPACE_MIN_ROWS = 256
 
 # On CPU, torch.baddbmm over a batch beats a loop of torch.addmm for small matrices, where
 # the loop's per-call overhead dominates, and loses for large ones, whose batch-sized fresh
-# temporaries cost page faults. Muon steps on 8 matrices, bf16, 2-core CPU, batched / loop:
+# temporaries cost page faults. Muon steps on 8 matrices, bf16, 2-core CPU with native bf16, batched / loop:
 # 0.25 at 64x64, 0.40 at 128x128, 1.02 (break-even) at 256x256, 1.43 at 256x1024, 1.17 at
 # 512x512. GPUs always batch.
 CPU_BATCH_MAX_ELEMENTS = 256 * 256  # on CPU, matrices of at most this many elements are batched
