@@ -28,8 +28,12 @@ def describe(value: object) -> str:
     if isinstance(value, str):
         return f"the string {value!r}"
     if isinstance(value, (tuple, list, dict)):
-        return f"a {type(value).__name__} of length {len(value)}"
-    return f"a {type(value).__name__}"
+        return f"{_article(type(value).__name__)} of length {len(value)}"
+    return _article(type(value).__name__)
+
+
+def _article(name: str) -> str:
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _hinted(message: str, hint: str) -> str:
