@@ -62,7 +62,7 @@ def require_real(name: str, value: object, *, positive: bool, hint: str = "") ->
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(_hinted(f"{name} must be a number, got {describe(value)}", hint))
     if not (0 < value < math.inf if positive else 0 <= value < math.inf):  # NaN fails both comparisons
-        raise ValueError(_hinted(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}", hint))
+        raise ValueError(_hinted(f"{name} must be {'> 0' if positive else '>= 0'} and finite, got {value}", hint))
 
 
 def require_callable(name: str, value: object, hint: str) -> None:
