@@ -67,9 +67,9 @@ def train_step_with_accumulation(
     :math:`S_i` its summed loss over :math:`c_i` items.
 
     A gradient holding NaN or Inf (an infinite loss, a NaN in the data) never reaches the
-    weights: without a ``scaler``, the optimizer step is skipped (weights and optimizer
-    state unchanged) with a RuntimeWarning, and the returned loss is NaN or Inf; with
-    one, GradScaler skips it as usual. The scheduler still steps, as it does after a step
+    weights: without a ``scaler`` (or with a disabled one), the optimizer step is skipped
+    (weights and optimizer state unchanged) with a RuntimeWarning, and the returned loss
+    is NaN or Inf; with an enabled one, GradScaler skips it as usual. The scheduler still steps, as it does after a step
     GradScaler skips. (Only this process's dense, non-DTensor gradients are checked: a
     sharded gradient's verdict would differ between ranks; dmuon.Muon decides for all
     ranks itself.)
@@ -149,21 +149,22 @@ def train_step_with_accumulation(
 
     if scaler is not None:
         scaler.unscale_(optimizer)  # before clipping, so the norm is the true one
-    skipped = scaler is None and not _gradients_finite(optimizer)
-    if skipped:
+    # An enabled GradScaler skips a step whose gradients hold inf or NaN itself; without one, it is done here.
+    if (scaler is None or not scaler.is_enabled()) and not _gradients_finite(optimizer):
         warnings.warn(
             f"train_step_with_accumulation skipped this optimizer step: a gradient holds NaN or Inf (the window's "
             f"loss is {window.mean_loss()}). The weights and the optimizer state are unchanged. Look for the cause "
             "(a too-large learning rate, a NaN or Inf in the data, an fp16 overflow)",
             RuntimeWarning, stacklevel=2,
         )
-    elif max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(_parameters_with_grad(optimizer), max_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)  # skips the step if unscale_ found inf/NaN
-        scaler.update()
-    elif not skipped:
-        optimizer.step()
+    else:
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(_parameters_with_grad(optimizer), max_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the step if unscale_ found inf/NaN
+            scaler.update()
+        else:
+            optimizer.step()
     if scheduler is not None:
         scheduler.step()
     return window.mean_loss()

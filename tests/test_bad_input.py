@@ -641,8 +641,9 @@ def test_newton_schulz_of_a_meta_matrix_is_a_meta_matrix_of_its_shape():
         assert result.is_meta and result.shape == G.shape and result.dtype == torch.float32
 
 
-@pytest.mark.parametrize("optimizer,poison", [("sgd", "infinite_loss"), ("adamw", "nan_input")])
-def test_a_gradient_holding_nan_or_inf_skips_the_step_and_says_so(optimizer, poison):
+@pytest.mark.parametrize("optimizer,poison,scaler", [("sgd", "infinite_loss", None), ("adamw", "nan_input", None),
+                                                     ("sgd", "infinite_loss", "disabled GradScaler")])
+def test_a_gradient_holding_nan_or_inf_skips_the_step_and_says_so(optimizer, poison, scaler):
     model, _ = trained_linear()
     opt = sgd(model) if optimizer == "sgd" else torch.optim.AdamW(model.parameters())
     step_of(model, opt)  # a first step: the optimizer holds state
@@ -652,7 +653,8 @@ def test_a_gradient_holding_nan_or_inf_skips_the_step_and_says_so(optimizer, poi
         x[1, 0] = float("nan")
     loss_fn = (lambda p, t: F.mse_loss(p, t) * math.inf) if poison == "infinite_loss" else F.mse_loss
     with pytest.warns(RuntimeWarning, match="skipped this optimizer step: a gradient holds NaN or Inf.*unchanged"):
-        loss = step_of(model, opt, [(x, X)], loss_fn)
+        loss = step_of(model, opt, [(x, X)], loss_fn,
+                       scaler=torch.amp.GradScaler("cpu", enabled=False) if scaler else None)
     assert not math.isfinite(loss)
     assert _same(before, _snapshot((model.state_dict(), opt.state_dict())))
     step_of(model, opt)  # and the next, finite window steps as usual

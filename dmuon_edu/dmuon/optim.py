@@ -79,10 +79,13 @@ class Muon(torch.optim.Optimizer):
             results either way; nothing to publish on a 1-D mesh.
 
     Raises:
-        TypeError: ``model`` is not an nn.Module.
+        TypeError: ``model`` is not an nn.Module, or a hyperparameter has the wrong type.
         ValueError: the model has no dedicated parameters, a trainable parameter is
-            neither dedicated nor sharded by FSDP2, or a hyperparameter is invalid (also
-            checked at every step, after schedulers and state dict loads).
+            neither dedicated nor sharded by FSDP2, a hyperparameter is invalid (also
+            checked at every step, after schedulers and state dict loads), or
+            ``adamw_eps`` rounds to 0 in the dtype of the AdamW parameters (1e-8 in
+            float16: AdamW would write NaN into them; keep float32 parameters and compute
+            in float16 through fully_shard's mp_policy).
         RuntimeError: ``step()`` is called inside ``no_sync``.
     """
 
