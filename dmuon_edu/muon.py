@@ -19,6 +19,7 @@ belongs to AdamW: ``muon_param_groups(model)`` splits a model that way.
 """
 
 import math
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
@@ -61,7 +62,8 @@ class Muon(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``params`` is a set or a model (pass its matrices), a parameter is not
-            real floating point, or a hyperparameter has the wrong type.
+            real floating point or is a DTensor (use dmuon.Muon for a sharded model), or a
+            hyperparameter has the wrong type.
         ValueError: ``params`` is empty, a parameter is not 2-D, is on the meta device,
             appears twice or shares memory with another parameter or with itself (an
             ``expand()``-ed tensor), or a hyperparameter is out of range or not finite.
@@ -176,6 +178,10 @@ class Muon(torch.optim.Optimizer):
                     f"{tuple(p.shape)}. A {p.ndim}-D parameter belongs to AdamW; use "
                     "muon_param_groups(model) to split a model's parameters."
                 )
+            if _is_dtensor(p):
+                raise TypeError(f"parameter {index} of the group is a DTensor (sharded by fully_shard), and Muon "
+                                "orthogonalises whole matrices: for a sharded model use dmuon.Muon (dmuon_edu.dmuon), "
+                                "which gives each matrix an owner rank")
             if p.is_meta:
                 raise ValueError(f"parameter {index} of the group is on the meta device, which holds no values: "
                                  "materialise the model first (model.to_empty(device=...), then initialise it)")
@@ -287,6 +293,13 @@ class Muon(torch.optim.Optimizer):
         if wd != 0:
             p.mul_(1 - lr * wd)
         p.add_(o, alpha=-lr * ADJUST_LR_FNS[group["adjust_lr_fn"]](*p.shape))
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    # Read from sys.modules, not imported: importing torch.distributed.tensor costs ~0.8 s, and no DTensor
+    # exists before something else imported it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 class _MemorySpans:

@@ -122,6 +122,7 @@ AUDIT = {
     "a momentum buffer of another shape loaded into Muon": (
         CLEAR_ERROR, f"{BAD_INPUT}[muon/load_a_momentum_buffer_of_another_shape]"),
     "Muon with a sparse gradient": (CLEAR_ERROR, f"{BAD_INPUT}[muon/sparse_gradient]"),
+    "Muon over an FSDP2 shard (a DTensor) fails inside torch": (CLEAR_ERROR, f"{BAD_INPUT}[muon/a_dtensor_parameter]"),
     # Part 2. Unclear, dmuon:
     "a non-contiguous matrix 'shares its storage', no hint to .contiguous()": (
         CLEAR_ERROR, f"{BAD_INPUT}[dmuon/non_contiguous_matrix]"),

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon_edu
 from dmuon_edu import checkpoint, distributed, dmuon, muon
@@ -486,6 +487,9 @@ CASES = [
      "shapes must be a dict {name: (m, n)}"),
     ("dmuon.imbalance/an_owner_without_a_shape", lambda: dmuon.imbalance({"a": 0}, {}, 2), ValueError,
      "a has an owner but no shape: pass the shapes the plan was made from"),
+    ("muon/a_dtensor_parameter", lambda mesh: muon.Muon(
+        [nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))], lr=0.02), TypeError,
+     "is a DTensor (sharded by fully_shard), and Muon orthogonalises whole matrices: for a sharded model use dmuon.Muon"),
 ]
 
 
