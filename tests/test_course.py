@@ -1,7 +1,6 @@
 """One source of truth: learner notebooks are generated from solutions, and graded."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -325,23 +324,30 @@ REACH_OUT = ("import shutil\nshutil.rmtree('victim', ignore_errors=True)\n"
 
 
 @pytest.fixture(scope="module")
-def broken_folder_run(tmp_path_factory):
+def outside_folders(tmp_path_factory):
+    """The folder the grader runs in and its HOME, each holding a folder named victim."""
+    folders = tmp_path_factory.mktemp("grader_cwd"), tmp_path_factory.mktemp("home")
+    for folder in folders:
+        (folder / "victim").mkdir()
+    return folders
+
+
+@pytest.fixture(scope="module")
+def broken_folder_run(tmp_path_factory, outside_folders):
     folder = tmp_path_factory.mktemp("broken")
     (folder / "00_not_json.ipynb").write_text("{ this is not JSON")
     start_sleeper = "import os, subprocess\nsubprocess.Popen(['sleep', '{}'], start_new_session=True)\n"
     _notebook(folder / "01_kills_its_kernel.ipynb", start_sleeper.format(SLEEPERS["dies"]) + "os._exit(3)", CHECK_CELL)
     _notebook(folder / "02_endless_loop.ipynb",
               start_sleeper.format(SLEEPERS["loop"]) + REACH_OUT + "while True:\n    pass", CHECK_CELL)
-    where, home = tmp_path_factory.mktemp("grader_cwd"), tmp_path_factory.mktemp("home")
-    for victim in (where / "victim", home / "victim"):
-        victim.mkdir()
-    program = ("import sys; from pathlib import Path; from dmuon_edu.course import cli; "
+    where, home = map(str, outside_folders)
+    program = ("import os, sys; from pathlib import Path; from dmuon_edu.course import cli; "
+               f"os.chdir({where!r}); os.environ['HOME'] = {home!r}; "
                f"cli.NOTEBOOKS = Path({str(folder)!r}); sys.exit(cli.main(['check', '--cell-timeout', '2']))")
     start = time.monotonic()
     # The subprocess's own timeout: a grader that stalls fails this test instead of hanging the suite.
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=where,
-                            env={**os.environ, "HOME": str(home)})
-    return result, time.monotonic() - start, [where / "victim", home / "victim"]
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    return result, time.monotonic() - start
 
 
 def _row(result, notebook):
@@ -349,7 +355,7 @@ def _row(result, notebook):
 
 
 def test_a_notebook_that_is_not_json_is_a_row_and_the_others_are_graded(broken_folder_run):
-    result, _, _ = broken_folder_run
+    result, _ = broken_folder_run
     [row] = _row(result, "00_not_json")
     assert "(notebook)" in row and "failed: not a notebook that can be read" in row and "restore" in row
     assert _row(result, "01_kills_its_kernel") and _row(result, "02_endless_loop"), result.stdout + result.stderr
@@ -357,7 +363,7 @@ def test_a_notebook_that_is_not_json_is_a_row_and_the_others_are_graded(broken_f
 
 
 def test_a_dead_kernel_is_a_row(broken_folder_run):
-    result, _, _ = broken_folder_run
+    result, _ = broken_folder_run
     notebook_row, exercise_row = _row(result, "01_kills_its_kernel")
     assert "cell 1 (`import os, subprocess`) killed the kernel" in notebook_row
     assert "is_hidden_matrix" in exercise_row and "not graded" in exercise_row
@@ -365,17 +371,18 @@ def test_a_dead_kernel_is_a_row(broken_folder_run):
 
 
 def test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_behind(broken_folder_run):
-    result, seconds, _ = broken_folder_run
+    result, seconds = broken_folder_run
     notebook_row, exercise_row = _row(result, "02_endless_loop")
     assert "cell 1 (`import os, subprocess`) did not finish within 2 s" in notebook_row and "not graded" in exercise_row
     assert seconds < 60, f"a 2 s cell timeout took {seconds:.0f} s"  # kernel starts and imports, not a stall
     assert processes_running(f"sleep {SLEEPERS['loop']}") == []
 
 
-def test_a_cell_cannot_reach_the_graders_folder_or_home_by_a_relative_path_or_tilde(broken_folder_run):
-    result, _, victims = broken_folder_run
+def test_a_cell_cannot_reach_the_graders_folder_or_home_by_a_relative_path_or_tilde(broken_folder_run,
+                                                                                      outside_folders):
+    result, _ = broken_folder_run
     assert _row(result, "02_endless_loop"), result.stdout + result.stderr  # the cell ran
-    assert all(victim.is_dir() for victim in victims), victims
+    assert all((folder / "victim").is_dir() for folder in outside_folders), outside_folders
 
 
 def test_no_exercise_is_reported_and_exits_1(tmp_path, capsys):
