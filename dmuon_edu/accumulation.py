@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.amp.grad_scaler import OptState
 from tqdm.auto import tqdm
+
+from .arguments import describe, require_callable, require_flag, require_iterable
 
 __all__ = ["train_step_with_accumulation", "accumulation_windows", "train", "summed_token_loss", "IGNORE_INDEX"]
 
@@ -62,6 +66,14 @@ def train_step_with_accumulation(
     where :math:`L_i` is micro-batch i's mean loss over its :math:`n_i` samples, and
     :math:`S_i` its summed loss over :math:`c_i` items.
 
+    A gradient holding NaN or Inf (an infinite loss, a NaN in the data) never reaches the
+    weights: without a ``scaler`` (or with a disabled one), the optimizer step is skipped
+    (weights and optimizer state unchanged) with a RuntimeWarning, and the returned loss
+    is NaN or Inf; with an enabled one, GradScaler skips it as usual. The scheduler still steps, as it does after a step
+    GradScaler skips. (Only this process's dense, non-DTensor gradients are checked: a
+    sharded gradient's verdict would differ between ranks; dmuon.Muon decides for all
+    ranks itself.)
+
     Args:
         model: anything that maps ``inputs`` to predictions (an nn.Module, or a function
             that wraps one, e.g. to add autocast).
@@ -87,25 +99,30 @@ def train_step_with_accumulation(
         over total count for summed losses.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, ``microbatches`` is not a list of
-            ``(inputs, targets)`` pairs whose batch size can be read, ``max_grad_norm``
-            is not a number, ``scheduler`` is not a torch LRScheduler (or is
-            ReduceLROnPlateau, which needs the loss), ``num_items`` is not a number, or
-            the optimizer is a dmuon.Muon and the window needs clipping or an
-            item-count correction (both act on p.grad, where dmuon.Muon keeps no matrix
-            gradient).
-        ValueError: ``microbatches`` or one of them is empty, ``max_grad_norm`` is not
+        TypeError: ``model`` or ``loss_fn`` is not callable, ``optimizer`` is not a
+            torch.optim.Optimizer, ``scaler`` is not a GradScaler, ``microbatches`` is
+            not a list of ``(inputs, targets)`` pairs whose batch size can be read (or
+            holds plain lists of numbers), the inputs' dtype is not the model's (found
+            when its forward fails), ``max_grad_norm`` is not a number, ``scheduler`` is
+            not a torch LRScheduler (or is ReduceLROnPlateau, which needs the loss),
+            ``num_items`` is not a number, or the optimizer is a dmuon.Muon and the
+            window needs clipping or an item-count correction (both act on p.grad, where
+            dmuon.Muon keeps no matrix gradient).
+        ValueError: ``microbatches`` or one of them is empty, the model or the data is
+            on the meta device, the inputs are on another device than the model (found
+            when its forward fails), every parameter of the optimizer is frozen, none
+            is the model's, a loss does not require grad, ``max_grad_norm`` is not
             positive, ``scheduler`` was built on another optimizer, ``loss_fn`` returns
             a non-scalar, mixes means and pairs, or counts a fractional or negative
             number of items, or a window of summed losses counts no item.
         RuntimeError: ``scaler`` has already unscaled or stepped this optimizer since
             its last ``update()``.
     """
-    if not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn must be callable, got {type(loss_fn).__name__}; "
-            "pass a function such as torch.nn.functional.mse_loss"
-        )
+    require_callable("model", model, "pass the model (an nn.Module) or a function of the inputs")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {describe(optimizer)}; build one on the "
+                        "model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.1)")
+    require_callable("loss_fn", loss_fn, "pass a function such as torch.nn.functional.mse_loss")
     require_max_grad_norm(max_grad_norm)
     if max_grad_norm is not None and _gradients_outside_grad(optimizer):
         raise TypeError(
@@ -116,25 +133,38 @@ def train_step_with_accumulation(
     if scheduler is not None:
         _require_scheduler_of(optimizer, scheduler)
     if scaler is not None:
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {describe(scaler)}; build one with "
+                            "torch.amp.GradScaler('cuda'), or leave scaler out")
         _require_fresh_scaler_window(scaler, optimizer)
+    _require_trainable(model, optimizer)
     sample_counts = _sample_counts(microbatches)
 
     optimizer.zero_grad()  # once per window: every backward below must add up
     window = _Window(n_microbatches=len(microbatches), total_samples=sum(sample_counts))
-    for (inputs, targets), n_samples in zip(microbatches, sample_counts):
-        scaled_loss = window.add(loss_fn(model(inputs), targets), n_samples)
+    for index, ((inputs, targets), n_samples) in enumerate(zip(microbatches, sample_counts)):
+        scaled_loss = window.add(loss_fn(_forward(model, inputs, index), targets), n_samples, index)
         (scaler.scale(scaled_loss) if scaler is not None else scaled_loss).backward()
     window.correct_gradients(optimizer)
 
     if scaler is not None:
         scaler.unscale_(optimizer)  # before clipping, so the norm is the true one
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(_parameters_with_grad(optimizer), max_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)  # skips the step if unscale_ found inf/NaN
-        scaler.update()
+    # An enabled GradScaler skips a step whose gradients hold inf or NaN itself; without one, it is done here.
+    if (scaler is None or not scaler.is_enabled()) and not _gradients_finite(optimizer):
+        warnings.warn(
+            f"train_step_with_accumulation skipped this optimizer step: a gradient holds NaN or Inf (the window's "
+            f"loss is {window.mean_loss()}). The weights and the optimizer state are unchanged. Look for the cause "
+            "(a too-large learning rate, a NaN or Inf in the data, an fp16 overflow)",
+            RuntimeWarning, stacklevel=2,
+        )
     else:
-        optimizer.step()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(_parameters_with_grad(optimizer), max_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the step if unscale_ found inf/NaN
+            scaler.update()
+        else:
+            optimizer.step()
     if scheduler is not None:
         scheduler.step()
     return window.mean_loss()
@@ -157,19 +187,19 @@ class _Window:
         self.item_total = 0
         self.provisional_total: int | None = None
 
-    def add(self, loss_output, n_samples: int) -> torch.Tensor:
+    def add(self, loss_output, n_samples: int, index: int) -> torch.Tensor:
         summed = isinstance(loss_output, (tuple, list))
         if self.summed is not None and summed != self.summed:
             raise ValueError("loss_fn returned a mean for some micro-batches and a (sum, count) pair for others")
         self.summed = summed
         if not summed:
-            loss = _scalar(loss_output, "loss_fn must return a scalar mean loss")
+            loss = _differentiable(_scalar(loss_output, "loss_fn must return a scalar mean loss"), index)
             share = n_samples / self.total_samples
             self.loss_total += loss.item() * share
             return loss * share
         if len(loss_output) != 2:
             raise ValueError(f"loss_fn returned a {len(loss_output)}-tuple; return (sum_loss, num_items)")
-        loss_sum = _scalar(loss_output[0], "the sum_loss of loss_fn's (sum_loss, num_items)")
+        loss_sum = _differentiable(_scalar(loss_output[0], "the sum_loss of loss_fn's (sum_loss, num_items)"), index)
         count = _item_count(loss_output[1])
         if self.provisional_total is None:
             self.provisional_total = max(count, 1) * self.n_microbatches
@@ -214,7 +244,21 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torc
     Returns:
         ``(sum_loss, num_items)``: the summed cross-entropy (a scalar tensor) and the
         number of non-padding targets (an int).
+
+    Raises:
+        TypeError: ``logits`` is not a floating-point tensor, or ``targets`` not an
+            integer one.
+        ValueError: ``targets`` does not hold one token id per row of ``logits``.
     """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.ndim < 1:
+        raise TypeError(f"logits must be a floating-point tensor of shape (..., vocab), got {describe(logits)}")
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise TypeError(f"targets must be a tensor of integer token ids, got {describe(targets)}"
+                        + (f" of {targets.dtype}; convert with targets.long()" if isinstance(targets, torch.Tensor) else ""))
+    if targets.numel() * logits.shape[-1] != logits.numel():
+        raise ValueError(f"targets have shape {tuple(targets.shape)} but logits {tuple(logits.shape)}: targets need "
+                         "one token id per row of logits, e.g. the shape of logits without its last (vocabulary) "
+                         "dimension")
     loss_sum = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -235,8 +279,10 @@ def accumulation_windows(batches: Iterable, accum_steps: int) -> Iterator[list]:
         An iterator of lists of micro-batches, lazily: ``batches`` is read as it goes.
 
     Raises:
+        TypeError: ``batches`` is not iterable.
         ValueError: ``accum_steps`` is not an int >= 1.
     """
+    require_iterable("batches", batches, "pass a list of micro-batches or a DataLoader")
     require_accum_steps(accum_steps)
     return _windows(iter(batches), accum_steps)
 
@@ -301,8 +347,11 @@ def train(
 
     Raises:
         ValueError, TypeError, RuntimeError: as :func:`train_step_with_accumulation`
-        and :func:`accumulation_windows` do.
+        and :func:`accumulation_windows` do; TypeError too if ``loader`` is not iterable
+        or ``progress`` not a bool.
     """
+    require_iterable("loader", loader, "pass a DataLoader or a list of (inputs, targets) micro-batches")
+    require_flag("progress", progress)
     windows = accumulation_windows(loader, accum_steps)
     total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
     losses = []
@@ -350,12 +399,75 @@ def _require_scheduler_of(optimizer: torch.optim.Optimizer, scheduler) -> None:
         )
 
 
+def _require_trainable(model: Callable, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before any backward, an optimizer that cannot train the model: all frozen, or another model's."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(p.requires_grad for p in params):
+        raise ValueError(
+            "every parameter of the optimizer is frozen (requires_grad=False), so backward has nothing to compute: "
+            "unfreeze the ones to train (p.requires_grad_(True)), or build the optimizer on those"
+        )
+    if isinstance(model, nn.Module):
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("the model's parameters are on the meta device, which holds no values: materialise it "
+                             "first (model.to_empty(device='cpu'), then initialise its weights)")
+        own = {id(p) for p in model.parameters()}
+        if own and not any(id(p) in own for p in params):
+            raise ValueError("none of the optimizer's parameters is one of the model's, so its step would not train "
+                             "the model: build the optimizer on model.parameters()")
+
+
+def _forward(model: Callable, inputs, index: int):
+    """``model(inputs)``; where it fails because the inputs' device or dtype is not the model's, say so."""
+    try:
+        return model(inputs)
+    except RuntimeError as error:
+        params = list(model.parameters()) if isinstance(model, nn.Module) else []
+        if not isinstance(inputs, torch.Tensor) or not params:
+            raise
+        devices = {p.device for p in params}
+        dtypes = {p.dtype for p in params if p.is_floating_point()}
+        if len(devices) == 1 and inputs.device not in devices:
+            [device] = devices
+            raise ValueError(f"the inputs of microbatch {index} are on {inputs.device} but the model's parameters are "
+                             f"on {device}: move them first, e.g. inputs.to('{device}')") from error
+        if inputs.is_floating_point() and len(dtypes) == 1 and inputs.dtype not in dtypes:
+            [dtype] = dtypes
+            raise TypeError(f"the inputs of microbatch {index} are {inputs.dtype} but the model's parameters are "
+                            f"{dtype}: convert them (inputs.to({dtype})), or keep the model in float32 and compute "
+                            "in lower precision under torch.autocast") from error
+        raise
+
+
+def _gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every gradient this process steps with is finite (one host sync).
+
+    Dense plain tensors only: a DTensor shard's verdict would differ between ranks, and a
+    step skipped on some ranks only would leave the shards out of step (dmuon.Muon decides
+    for every rank itself). min and max are finite exactly when every entry is.
+    """
+    grads = [p.grad for p in _parameters_with_grad(optimizer)
+             if type(p.grad) is torch.Tensor and p.grad.layout == torch.strided and p.grad.numel() > 0]
+    extremes = [torch.stack(torch.aminmax(g)).float() for g in grads]
+    return not extremes or bool(torch.cat(extremes).isfinite().all())
+
+
+def _differentiable(loss: torch.Tensor, index: int) -> torch.Tensor:
+    if not loss.requires_grad:
+        cause = ("train_step_with_accumulation runs under torch.no_grad(): call it outside" if not torch.is_grad_enabled()
+                 else "does loss_fn or the model cut it off from the parameters (.detach(), .item(), torch.no_grad(), "
+                      "a new tensor built from numbers)? Compute the loss from the predictions with tensor operations")
+        raise ValueError(f"the loss of microbatch {index} does not require grad, so backward cannot reach the "
+                         f"parameters; {cause}")
+    return loss
+
+
 def _item_count(num_items) -> int:
     """The ``num_items`` of a ``(sum_loss, num_items)`` pair as an int >= 0: a whole number, maybe a tensor."""
     value = num_items.item() if isinstance(num_items, torch.Tensor) and num_items.numel() == 1 else num_items
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"num_items must be a number (an int or a one-element tensor), got {_describe(num_items)}; "
+            f"num_items must be a number (an int or a one-element tensor), got {describe(num_items)}; "
             "return (sum_loss, number of items summed)"
         )
     if not float(value).is_integer() or value < 0:
@@ -397,16 +509,23 @@ def _sample_counts(microbatches: Sequence[Microbatch]) -> list[int]:
     for index, microbatch in enumerate(microbatches):
         if not isinstance(microbatch, (tuple, list)) or len(microbatch) != 2:
             raise TypeError(
-                f"microbatch {index} must be an (inputs, targets) pair, got {_describe(microbatch)}; "
+                f"microbatch {index} must be an (inputs, targets) pair, got {describe(microbatch)}; "
                 "build the list as [(x0, y0), (x1, y1), ...]"
             )
         # The inputs count the samples: targets may broadcast (one row for the whole batch).
         inputs, targets = microbatch
+        for name, value in (("inputs", inputs), ("targets", targets)):
+            if _numbers_only(value):
+                raise TypeError(f"the {name} of microbatch {index} are {describe(value)} of numbers, not a tensor: "
+                                f"pass torch.tensor({name}) (on the model's device)")
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise ValueError(f"the {name} of microbatch {index} are on the meta device, which holds no values: "
+                                 "pass real tensors")
         batched, name = (inputs, "inputs") if isinstance(inputs, torch.Tensor) else (targets, "targets")
         if not isinstance(batched, torch.Tensor) or batched.dim() == 0:
             raise TypeError(
                 f"the {name} of microbatch {index} must be a tensor with a batch dimension, "
-                f"got {_describe(batched)}; its first dimension counts the samples"
+                f"got {describe(batched)}; its first dimension counts the samples"
             )
         if batched.shape[0] == 0:
             raise ValueError(f"microbatch {index} is empty: drop it, or give it at least one sample")
@@ -414,9 +533,8 @@ def _sample_counts(microbatches: Sequence[Microbatch]) -> list[int]:
     return counts
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of length {len(value)}"
-    return f"a {type(value).__name__}"
+def _numbers_only(value: object) -> bool:
+    """Whether ``value`` is a (nested) list or tuple of plain numbers: data that should be a tensor."""
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(map(_numbers_only, value))
+    return isinstance(value, numbers.Number)

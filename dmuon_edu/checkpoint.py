@@ -93,7 +93,7 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int | None = N
             checkpoints by it and passes over those saved without it.
 
     Raises:
-        TypeError: ``state`` is not a dict, or ``step`` is not an int.
+        TypeError: ``state`` is not a dict, ``path`` is not a path, or ``step`` is not an int.
         ValueError: ``step`` is negative.
         CheckpointError: torch.distributed.checkpoint could not write the files, or a
             written file could not be read back (the disk is full, the storage failed);
@@ -105,7 +105,7 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int | None = N
         raise TypeError(f"step must be an int, the training step the state is at (e.g. step=100); got {step!r}")
     if step is not None and step < 0:
         raise ValueError(f"step must be >= 0, the training step the state is at; got {step}")
-    path = Path(path)
+    path = _path("path", path)
     if _rank() == 0:
         (path / MARKER).unlink(missing_ok=True)  # from now on, until the end, this is not a good checkpoint
         path.mkdir(parents=True, exist_ok=True)
@@ -148,9 +148,14 @@ def load(state: dict[str, Any], path: str | os.PathLike | None) -> None:
             place; its other values are replaced with the saved ones.
         path: a directory that :func:`save` wrote.
 
+    A checkpoint written by an older ``checkpoint.save`` (its marker holds no step and no
+    checksums) is loaded too, with a RuntimeWarning: its files cannot be verified, but a
+    key or a shape that differs is still refused and nothing is changed then.
+
     Raises:
         TypeError: ``state`` is not a dict, or one of its values is an object with a
-            ``state_dict`` method (a module, an optimizer) instead of a state dict.
+            ``state_dict`` method (a module, an optimizer) instead of a state dict, or
+            ``path`` is neither a path nor None.
         FileNotFoundError: there is no directory at ``path`` (or it is None, as from a
             :func:`latest` that found none).
         IncompleteCheckpointError: the directory has no completion marker: its save
@@ -170,7 +175,7 @@ def load(state: dict[str, Any], path: str | os.PathLike | None) -> None:
     if path is None:
         raise FileNotFoundError("no checkpoint: path is None, which checkpoint.latest(root) returns when root holds "
                                 "no checkpoint that verifies; test for None and start from the beginning instead")
-    path = Path(path)
+    path = _path("path", path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}: pass the directory that checkpoint.save wrote")
     if not is_complete(path):
@@ -182,7 +187,12 @@ def load(state: dict[str, Any], path: str | os.PathLike | None) -> None:
     if problem:
         raise CorruptCheckpointError(f"{path / MARKER} {problem}; {_ANOTHER_CHECKPOINT}. If you trust its files, "
                                      "torch.distributed.checkpoint.load reads them without any check")
-    problems = _file_problems(marker["sha256"], _shared_digests(path, sorted(marker["sha256"])))
+    if _older_format(marker):
+        warnings.warn(f"{path} was written by an older checkpoint.save, whose marker holds no checksums: its files "
+                      "are loaded unverified (a key or a shape that differs is still refused). Save it again, "
+                      "checkpoint.save(state, path, step=N), to have it verified from then on",
+                      RuntimeWarning, stacklevel=2)
+    problems = _file_problems(marker.get("sha256", {}), _shared_digests(path, sorted(marker.get("sha256", {}))))
     if problems:
         raise CorruptCheckpointError(f"{path} is corrupt: {'; '.join(problems)}: its files changed after "
                                      f"checkpoint.save wrote them, and nothing was loaded; {_ANOTHER_CHECKPOINT}")
@@ -224,8 +234,11 @@ def latest(root: str | os.PathLike) -> Path | None:
     Returns:
         That checkpoint's directory, or None if ``root`` holds no checkpoint that
         verifies (or does not exist).
+
+    Raises:
+        TypeError: ``root`` is not a path.
     """
-    root = Path(root)
+    root = _path("root", root)
     candidates = []
     for directory in sorted(root.iterdir()) if root.is_dir() else []:
         if not (directory / MARKER).is_file():
@@ -234,6 +247,9 @@ def latest(root: str | os.PathLike) -> Path | None:
         step = marker.get("step")
         if problem:
             _passed_over(directory, f"{MARKER} {problem}")
+        elif _older_format(marker):
+            _passed_over(directory, "it was written by an older checkpoint.save, without a step or checksums, so it "
+                                    "has no place in the order: load it by its path, checkpoint.load(state, path)")
         elif step is None:
             _passed_over(directory, "it was saved without a step (checkpoint.save(state, path, step=N)), so it has "
                                     "no place in the order")
@@ -253,6 +269,8 @@ def _read_marker(path: Path) -> tuple[dict[str, Any], str | None]:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError) as error:  # a UnicodeDecodeError is a ValueError
         return {}, f"cannot be read ({error})"
+    if _older_format(marker):
+        return marker, None
     digests = marker.get("sha256") if isinstance(marker, dict) else None
     if not (isinstance(digests, dict) and digests and all(isinstance(d, str) for d in digests.values())):
         return {}, "lists no file checksums: checkpoint.save did not write it"
@@ -260,6 +278,17 @@ def _read_marker(path: Path) -> tuple[dict[str, Any], str | None]:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         return {}, f"holds {step!r} as its step, not an int >= 0: checkpoint.save did not write it"
     return marker, None
+
+
+def _older_format(marker: object) -> bool:
+    """Whether a marker is the older save's, which held only the world size and the state's keys."""
+    return isinstance(marker, dict) and set(marker) == {"world_size", "keys"}
+
+
+def _path(name: str, path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a directory's path (a str or a Path), got {path!r}")
+    return Path(path)
 
 
 def _sha256(file: Path) -> str | None:

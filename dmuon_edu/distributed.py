@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import time
 from collections import defaultdict
@@ -88,10 +89,11 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
     Raises:
         RuntimeError: the script was not started by torchrun (no ``RANK`` in the
             environment).
-        ValueError: ``timeout_s`` is not a positive number.
+        ValueError: ``timeout_s`` is not a positive, finite number.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a positive number of seconds, finite, got {timeout_s!r}; "
+                         f"{COLLECTIVE_TIMEOUT_S} is the default")
     if "RANK" not in os.environ:
         raise RuntimeError(
             "not started by torchrun: run this script with dmuon_edu.launch.torchrun(path, nproc=2) "

@@ -53,8 +53,10 @@ _TERMINATE_GRACE_S = 5
 _WAIT_PIECE_S = 1.0
 # Set, with a value unique to the launch, in the environment of every process of the job.
 _JOB_VARIABLE = "DMUON_EDU_LAUNCH"
-# gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout".
-_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|collective operation timeout", re.I)
+# gloo: "Timed out waiting 5000ms for recv operation", or, where another of the rank's waits timed out first
+# and closed the connection, "Application timeout caused pair closure"; NCCL: "Watchdog caught collective
+# operation timeout".
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|timeout caused pair closure|collective operation timeout", re.I)
 _SOURCE_LOCATION = re.compile(r"\[[^\]]+\.(?:cc|cpp|h):\d+\] ")
 # An exception thrown on one of gloo's own threads reaches std::terminate, which prints these two lines and aborts:
 #   terminate called after throwing an instance of 'gloo::EnforceNotMet'
@@ -126,6 +128,7 @@ def torchrun(
         A :class:`LaunchResult` with every rank's output lines.
 
     Raises:
+        TypeError: ``script`` is not a path (a str or an os.PathLike).
         FileNotFoundError: there is no file at ``script``.
         ValueError: ``nproc`` is not an int >= 1, or ``timeout`` is not a finite
             number > 0.
@@ -138,6 +141,8 @@ def torchrun(
         TimeoutError: the job outlived ``timeout``.
         RuntimeError: torchrun itself was killed (by a signal) before its ranks ended.
     """
+    if not isinstance(script, (str, os.PathLike)):
+        raise TypeError(f"script must be the path of a .py file (a str or a Path), got {script!r}")
     script = Path(script)
     if not script.is_file():
         raise FileNotFoundError(f"no script at {script}: pass the path of a .py file")

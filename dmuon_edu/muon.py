@@ -19,6 +19,7 @@ belongs to AdamW: ``muon_param_groups(model)`` splits a model that way.
 """
 
 import math
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
@@ -27,7 +28,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from .newton_schulz import batching_pays, check_ns_dtype, newton_schulz
+from .arguments import describe, require_iterable, require_module
+from .newton_schulz import batching_pays, check_ns_dtype, check_ns_steps, newton_schulz, overlaps_itself
 
 __all__ = ["Muon", "muon_param_groups", "check_hyperparameters", "ADJUST_LR_FNS"]
 
@@ -49,7 +51,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: use :math:`U = G + \mu B` rather than :math:`U = B`.
         weight_decay: :math:`\lambda` (>= 0), decoupled: W shrinks by a factor 1 - lr * wd.
         adjust_lr_fn: "original" or "match_rms_adamw", the shape factor s(m, n).
-        ns_steps: Newton-Schulz steps (>= 1), Keller Jordan's coefficients.
+        ns_steps: Newton-Schulz steps (1 to newton_schulz.MAX_STEPS), Keller Jordan's coefficients.
         ns_dtype: precision of the Newton-Schulz products. ``"auto"`` takes
             newton_schulz.fast_dtype of each parameter's device: bf16 where the
             hardware multiplies it natively (what every peer uses on GPUs), float32
@@ -59,12 +61,17 @@ class Muon(torch.optim.Optimizer):
             evaluation of the update to float32 accuracy (for reference computations).
 
     Raises:
-        TypeError: ``params`` is a set, a parameter is not real floating point, or a
+        TypeError: ``params`` is a set or a model (pass its matrices), a parameter is not
+            real floating point or is a DTensor (use dmuon.Muon for a sharded model), or a
             hyperparameter has the wrong type.
-        ValueError: a parameter is not 2-D or appears twice, or a hyperparameter is out
-            of range or not finite. ``step()`` checks every group's hyperparameters
-            again (a scheduler or a hand edit may have changed them), and
-            ``load_state_dict`` refuses a momentum buffer holding NaN or Inf.
+        ValueError: ``params`` is empty, a parameter is not 2-D, is on the meta device,
+            appears twice or shares memory with another parameter or with itself (an
+            ``expand()``-ed tensor), or a hyperparameter is out of range or not finite.
+            ``step()`` checks every group's hyperparameters again (a scheduler or a hand
+            edit may have changed them) and refuses a gradient whose dtype, shape or
+            layout is not its parameter's, before it changes anything; ``load_state_dict``
+            refuses a momentum buffer holding NaN or Inf, or of another shape than its
+            parameter.
 
     Behaviour worth knowing:
 
@@ -131,8 +138,17 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
         )
         check_hyperparameters(defaults)
+        if isinstance(params, nn.Module):
+            raise TypeError(f"Muon takes a list of parameters, not the model ({type(params).__name__}): pass "
+                            "its hidden matrices, e.g. muon_param_groups(model)[0]")
         if isinstance(params, set):
             raise TypeError("params must be a list, not a set: state_dict relies on their order")
+        if not isinstance(params, torch.Tensor):  # for a tensor, torch.optim.Optimizer says what to pass
+            require_iterable("params", params, "pass a list of 2-D parameters, e.g. muon_param_groups(model)[0]")
+            params = list(params)  # a generator can be read once only
+            if not params:
+                raise ValueError("Muon got an empty list of parameters: pass the model's hidden matrices, e.g. "
+                                 "muon_param_groups(model)[0] (a model that has none needs no Muon)")
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -142,6 +158,7 @@ class Muon(torch.optim.Optimizer):
             raise TypeError("params must be a list, not a set: state_dict relies on their order")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         first_index = {}
+        spans = _MemorySpans(q for group in self.param_groups for q in group["params"])
         for index, p in enumerate(params):
             if isinstance(p, tuple) and len(p) == 2:
                 p = p[1]  # torch.optim.Optimizer takes (name, parameter) pairs, as from named_parameters()
@@ -161,11 +178,34 @@ class Muon(torch.optim.Optimizer):
                     f"{tuple(p.shape)}. A {p.ndim}-D parameter belongs to AdamW; use "
                     "muon_param_groups(model) to split a model's parameters."
                 )
+            if _is_dtensor(p):
+                raise TypeError(f"parameter {index} of the group is a DTensor (sharded by fully_shard), and Muon "
+                                "orthogonalises whole matrices: for a sharded model use dmuon.Muon (dmuon_edu.dmuon), "
+                                "which gives each matrix an owner rank")
+            if p.is_meta:
+                raise ValueError(f"parameter {index} of the group is on the meta device, which holds no values: "
+                                 "materialise the model first (model.to_empty(device=...), then initialise it)")
+            if overlaps_itself(p):
+                raise ValueError(f"parameter {index} of the group has entries that share memory (an expand()-ed "
+                                 "tensor), which Muon cannot update: give it its own, nn.Parameter(t.clone())")
+            if spans.overlapping(p):
+                raise ValueError(
+                    f"parameter {index} of the group shares memory with another parameter (views of one tensor?): "
+                    "Muon would update the shared entries twice per step. Give each parameter storage of its "
+                    "own, e.g. nn.Parameter(t.detach().clone())"
+                )
+            spans.add(p)
         check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group({**param_group, "params": params})
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Checked before loading, so that a refused state leaves the optimizer as it was.
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), list)):
+            raise TypeError(f"state_dict must be what Muon.state_dict() returns, a dict with 'state' and "
+                            f"'param_groups', got {describe(state_dict)}")
+        shapes = {index: p.shape for group, saved in zip(self.param_groups, state_dict["param_groups"])
+                  for p, index in zip(group["params"], saved["params"])}
         names = {
             index: name
             for group in state_dict["param_groups"]
@@ -180,6 +220,13 @@ class Muon(torch.optim.Optimizer):
                     "every later update of it would be NaN. Load a checkpoint from before the divergence, or "
                     "leave the optimizer state out (momentum restarts from zero)"
                 )
+            if isinstance(buffer, torch.Tensor) and index in shapes and buffer.shape != shapes[index]:
+                name = f" ({names[index]})" if index in names else ""
+                raise ValueError(
+                    f"the momentum buffer of parameter {index}{name} in this state_dict has shape "
+                    f"{tuple(buffer.shape)}, but the parameter has shape {tuple(shapes[index])}: the state_dict "
+                    "is another model's. Build the optimizer on the parameters it was saved from, in that order"
+                )
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
@@ -187,6 +234,8 @@ class Muon(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             try:  # again at every step: a scheduler or a hand edit may have changed them
                 check_hyperparameters(group)
+                for position, p in enumerate(group["params"]):
+                    _check_gradient(p, position)
             except (TypeError, ValueError) as error:
                 raise type(error)(f"param group {index}: {error}") from None
         loss = None
@@ -244,6 +293,56 @@ class Muon(torch.optim.Optimizer):
         if wd != 0:
             p.mul_(1 - lr * wd)
         p.add_(o, alpha=-lr * ADJUST_LR_FNS[group["adjust_lr_fn"]](*p.shape))
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    # Read from sys.modules, not imported: importing torch.distributed.tensor costs ~0.8 s, and no DTensor
+    # exists before something else imported it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
+
+
+class _MemorySpans:
+    """The bytes that parameters' entries occupy, per storage, to find two parameters sharing memory."""
+
+    def __init__(self, params):
+        self.spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for p in params:
+            self.add(p)
+
+    @staticmethod
+    def _span(p: torch.Tensor) -> tuple[int, int, int]:
+        """(storage address, first byte, one past the last byte) of p's entries."""
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
+        start = p.storage_offset() * p.element_size()
+        return p.untyped_storage().data_ptr(), start, start + extent * p.element_size()
+
+    def overlapping(self, p: torch.Tensor) -> bool:
+        if p.numel() == 0:
+            return False
+        storage, start, end = self._span(p)
+        return any(start < other_end and other_start < end for other_start, other_end in self.spans[storage])
+
+    def add(self, p: torch.Tensor) -> None:
+        if p.numel() > 0:
+            storage, start, end = self._span(p)
+            self.spans[storage].append((start, end))
+
+
+def _check_gradient(p: torch.Tensor, position: int) -> None:
+    """Raise unless p.grad (if any) is a dense gradient of p's dtype and shape (checked before any update)."""
+    g = p.grad
+    if g is None:
+        return
+    if g.layout != torch.strided:
+        raise TypeError(f"the gradient of parameter {position} (shape {tuple(p.shape)}) is {g.layout}: Muon "
+                        "takes dense gradients; give sparse ones (nn.Embedding(sparse=True)) to AdamW")
+    if g.dtype != p.dtype or g.shape != p.shape:
+        raise ValueError(
+            f"the gradient of parameter {position} is {g.dtype} of shape {tuple(g.shape)}, but the parameter is "
+            f"{p.dtype} of shape {tuple(p.shape)}: Muon steps a parameter with a gradient like it. Set p.grad "
+            "from backward, or convert it: p.grad = p.grad.to(p.dtype)"
+        )
 
 
 def _with_finite_grads(params: list[torch.Tensor], one_at_a_time: bool = False) -> Iterator[torch.Tensor]:
@@ -318,10 +417,7 @@ def check_hyperparameters(h: dict) -> None:
         raise ValueError(
             f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; use one of {sorted(ADJUST_LR_FNS)}"
         )
-    if isinstance(h["ns_steps"], bool) or not isinstance(h["ns_steps"], int):
-        raise TypeError(f"ns_steps must be an int, got {type(h['ns_steps']).__name__}")
-    if h["ns_steps"] < 1:
-        raise ValueError(f"ns_steps must be >= 1, got {h['ns_steps']}; 5 is the usual value")
+    check_ns_steps(h["ns_steps"], "ns_steps")
     check_ns_dtype(h["ns_dtype"], "ns_dtype")
 
 
@@ -350,6 +446,8 @@ def muon_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
         adamw = torch.optim.AdamW(rest, lr=3e-4)
         # each step: loss.backward(); muon.step(); adamw.step(); both .zero_grad()
     """
+    require_module("muon_param_groups", model, "for several modules, pass the model that holds them "
+                   "(or nn.ModuleList(modules))")
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     embedding_weights = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     hidden = {id(m.weight) for m in linears[:-1]} - embedding_weights

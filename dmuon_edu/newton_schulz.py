@@ -90,7 +90,10 @@ __all__ = [
     "fast_dtype",
     "cpu_bf16_flags",
     "check_ns_dtype",
+    "check_ns_steps",
+    "overlaps_itself",
     "batching_pays",
+    "MAX_STEPS",
     "NS_DTYPE_ENV",
     "COEFFICIENTS",
     "JORDAN",
@@ -99,6 +102,13 @@ __all__ = [
 ]
 
 Coefficients = tuple[float, float, float]
+
+# The most steps newton_schulz takes. Every published coefficient set is tuned for five steps,
+# and more do not converge further: the polynomials map [0, 1] into a band around 1 and keep the
+# singular values moving inside it (Jordan's set: 0.68 to 1.13 after 100 steps of a 64 x 64
+# Gaussian matrix, in float64). So 100, twenty times the usual count, is generous; a count
+# such as 10**7 is a mistake, and would run for minutes even on a 4 x 4 matrix.
+MAX_STEPS = 100
 
 JORDAN: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
 
@@ -226,6 +236,7 @@ def cpu_bf16_flags() -> frozenset[str]:
     return frozenset()
 
 
+@torch.no_grad()  # not differentiated through, so G may require grad
 def newton_schulz(
     G: torch.Tensor | Sequence[torch.Tensor],
     steps: int = 5,
@@ -239,19 +250,24 @@ def newton_schulz(
     Args:
         G: a matrix (m, n), or a batch: a (batch, m, n) tensor or a list of (m, n)
             matrices. Not modified unless ``overwrite_input``.
-        steps: how many Newton-Schulz steps (>= 1).
+        steps: how many Newton-Schulz steps, from 1 to MAX_STEPS (100).
         coefficients: a name in COEFFICIENTS, one (a, b, c) tuple used for every step,
             or a sequence of tuples, one per step. When ``steps`` exceeds the number of
             tuples the last tuple is repeated; when it is smaller only the first
             ``steps`` tuples are used.
-        eps: added to the Frobenius norm so that a zero matrix maps to zero.
+        eps: added to the Frobenius norm so that a zero matrix maps to zero (finite, >= 0).
         dtype: precision of the matrix products: ``"auto"`` for :func:`fast_dtype` of
             G's device (bf16 where the hardware multiplies it natively, as every peer
             does on GPUs; float32 elsewhere), or a floating torch.dtype (float32 or
             float64 for reference computations).
         overwrite_input: allow G to be overwritten (normalised in place), which saves a
             temporary of G's size, as scipy.linalg's ``overwrite_a`` does. Muon passes
-            its own scratch tensor this way.
+            its own scratch tensor this way. G's entries must not share memory (an
+            ``expand()``-ed view cannot be written into).
+
+    Newton-Schulz is not differentiated through: G may require grad (a Parameter, say),
+    and the result never does. A matrix on the meta device gives a meta result of the
+    same shape and dtype.
 
     Returns:
         In ``dtype`` (for ``"auto"``, the dtype chosen): a tensor of G's shape, or a
@@ -261,22 +277,26 @@ def newton_schulz(
         TypeError: ``G`` holds something other than floating-point tensors, or
             ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included) or
             ``overwrite_input`` has the wrong type.
-        ValueError: ``steps < 1``, ``eps`` is negative, a coefficient name is unknown,
-            the batch is empty, a matrix is not 2-D, or a batch mixes shapes or devices.
+        ValueError: ``steps`` is not between 1 and MAX_STEPS, ``eps`` is negative or not
+            finite, a coefficient is not finite, a coefficient name is unknown, the batch is
+            empty, a matrix is not 2-D, a batch mixes shapes or devices, or
+            ``overwrite_input`` is True for a G whose entries share memory.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    check_ns_steps(steps, "steps")
     check_ns_dtype(dtype, "dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}; 1e-7 is the usual value")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}; 1e-7 is the usual value")
     per_step = _per_step_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
     single = isinstance(G, torch.Tensor) and G.ndim != 3
     matrices = [G] if single else list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
     _check_matrices(matrices)
+    if overwrite_input and any(map(overlaps_itself, [G] if isinstance(G, torch.Tensor) else matrices)):
+        raise ValueError(
+            "overwrite_input=True, but G's entries share memory (an expand()-ed or as_strided view), so "
+            "Newton-Schulz cannot write into it: pass overwrite_input=False, or G.clone()"
+        )
     if dtype == "auto":
         dtype = fast_dtype(matrices[0].device)
     if single or not batching_pays(matrices[0]):
@@ -287,6 +307,25 @@ def newton_schulz(
     in_place = overwrite_input or batch is not G  # a stacked copy is ours to overwrite
     O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step)
     return O if isinstance(G, torch.Tensor) else list(O)
+
+
+def check_ns_steps(steps, name: str) -> None:
+    """Raise unless ``steps`` is an int from 1 to MAX_STEPS; ``name`` is the argument's name."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"{name} must be an int, got {type(steps).__name__}")
+    if steps < 1:
+        raise ValueError(f"{name} must be >= 1, got {steps}; 5 is the usual value")
+    if steps > MAX_STEPS:
+        raise ValueError(
+            f"{name} must be at most {MAX_STEPS}, got {steps}: more steps do not converge further "
+            "(newton_schulz.MAX_STEPS says why); 5 is the usual value"
+        )
+
+
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two entries of ``tensor`` are one memory location (an expand()-ed view), so that it
+    cannot be written into in place."""
+    return torch._debug_has_internal_overlap(tensor) == 1  # 0: none, 2: too hard to tell (then torch checks)
 
 
 def check_ns_dtype(dtype, name: str) -> None:
@@ -372,6 +411,8 @@ def _per_step_coefficients(coefficients, steps: int) -> list[Coefficients]:
             "coefficients must be a name (e.g. 'jordan'), one (a, b, c) tuple of numbers, "
             f"or a non-empty sequence of such tuples; got {coefficients!r}"
         )
+    if not all(math.isfinite(v) for t in tuples for v in t):
+        raise ValueError(f"coefficients must be finite numbers, got {coefficients!r}; 'jordan' is the usual set")
     return [tuples[min(k, len(tuples) - 1)] for k in range(steps)]
 
 
@@ -406,7 +447,7 @@ def _normalise(X: torch.Tensor, eps: float, dtype: torch.dtype, scratch: torch.T
     """
     accumulate = torch.promote_types(X.dtype, torch.float32)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=accumulate)
-    if math.isfinite(norm.max().item()):  # max propagates NaN
+    if X.is_meta or math.isfinite(norm.max().item()):  # max propagates NaN; a meta tensor holds no values
         return torch.div(X, norm + eps, out=scratch).to(dtype)
     # max |X| without a temporary of X's size (X.abs() would be one)
     largest = torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())

@@ -68,6 +68,98 @@ AUDIT = {
     "a Markov source with a negative entry": (CLEAR_ERROR, f"{BAD_INPUT}[MarkovSource/negative_entry]"),
     "a Markov source with a NaN row": (CLEAR_ERROR, f"{BAD_INPUT}[MarkovSource/nan_row]"),
     "a negative token id in lm_batch's inputs is dropped as padding": (CLEAR_ERROR, f"{BAD_INPUT}[lm_batch/negative_token]"),
+    # Part 2. Silently wrong:
+    "newton_schulz with coefficients (nan, 0, 0) returns NaN": (CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/nan_coefficient]"),
+    "newton_schulz with eps=inf returns zeros": (CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/infinite_eps]"),
+    "dmuon.plan_owners gives a negative shape an owner": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.plan_owners/negative_shape]"),
+    "effective_lr_multiplier(lr=inf) returns NaN": (CLEAR_ERROR, f"{BAD_INPUT}[effective_lr_multiplier/infinite_lr]"),
+    "dmuon.Muon on a float16 model writes NaN into AdamW's parameters (eps 1e-8 is 0 in fp16)": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.Muon/float16_adamw_eps_rounds_to_zero]"),
+    "train_step_with_accumulation steps SGD or AdamW into NaN on an infinite loss or a NaN input": (
+        CORRECT, "test_bad_input::test_a_gradient_holding_nan_or_inf_skips_the_step_and_says_so"),
+    "the grader lets a cell delete a folder outside the course by a relative path or ~": (
+        CORRECT, "test_course::test_a_cell_cannot_reach_the_graders_folder_or_home_by_a_relative_path_or_tilde"),
+    # Part 2. Unbounded:
+    "newton_schulz(steps=10**7) runs for minutes": (CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/ten_million_steps]"),
+    "Muon(ns_steps=10**7) would run for minutes at each step": (CLEAR_ERROR, f"{BAD_INPUT}[muon/ns_steps_ten_million]"),
+    # Part 2. Unclear, accumulation:
+    "train_step_with_accumulation(optimizer=None)": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/optimizer_none]"),
+    "train_step_with_accumulation with a model that is not callable": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/model_not_callable]"),
+    "a loss without grad": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/loss_without_grad]"),
+    "train_step_with_accumulation under torch.no_grad()": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/under_no_grad]"),
+    "every parameter frozen": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/all_parameters_frozen]"),
+    "an optimizer of another model trains nothing, silently": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/optimizer_of_another_model]"),
+    "a float16 model with float32 inputs": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/fp16_model_fp32_inputs]"),
+    "a scaler that is not a GradScaler": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/scaler_not_a_grad_scaler]"),
+    "accumulation_windows(batches=None)": (CLEAR_ERROR, f"{BAD_INPUT}[accumulation_windows/batches_none]"),
+    "train(loader=None)": (CLEAR_ERROR, f"{BAD_INPUT}[train/loader_none]"),
+    "train(progress='no') shows the bar": (CLEAR_ERROR, f"{BAD_INPUT}[train/progress_a_string]"),
+    "meta-device inputs (a 22-frame traceback)": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/meta_inputs]"),
+    "a meta-device model (a 22-frame traceback)": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/meta_model]"),
+    "a Python list as targets fails inside torch's loss": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/targets_a_list]"),
+    "a Python list as inputs fails inside the model": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/inputs_a_list]"),
+    "summed_token_loss with float targets": (CLEAR_ERROR, f"{BAD_INPUT}[summed_token_loss/float_targets]"),
+    "a refused window changes no weight and no optimizer state": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[train_step/loss_without_grad]"),
+    # Part 2. Unclear, Newton-Schulz and Muon:
+    "newton_schulz of a Parameter that requires grad": (
+        CORRECT, "test_bad_input::test_newton_schulz_of_a_parameter_that_requires_grad_is_that_of_its_values"),
+    "newton_schulz(overwrite_input=True) of an expanded matrix": (
+        CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/overwrite_an_expanded_input]"),
+    "newton_schulz of a meta matrix (Tensor.item() on meta)": (
+        CORRECT, "test_bad_input::test_newton_schulz_of_a_meta_matrix_is_a_meta_matrix_of_its_shape"),
+    "Muon over parameters that share memory steps their entries twice": (
+        CLEAR_ERROR, f"{BAD_INPUT}[muon/parameters_sharing_memory]"),
+    "Muon over an expanded parameter": (CLEAR_ERROR, f"{BAD_INPUT}[muon/expanded_parameter]"),
+    "a float64 gradient on a float32 parameter (overflow in Muon's clamp)": (
+        CLEAR_ERROR, f"{BAD_INPUT}[muon/float64_gradient_on_float32_parameter]"),
+    "a refused Muon step leaves every parameter and the state as they were": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[muon/float64_gradient_on_float32_parameter]"),
+    "Muon([])": (CLEAR_ERROR, f"{BAD_INPUT}[muon/empty_parameter_list]"),
+    "Muon(model), a model where its parameters are expected": (
+        CLEAR_ERROR, f"{BAD_INPUT}[muon/a_model_instead_of_its_parameters]"),
+    "muon_param_groups of a list, a list where a model is expected": (CLEAR_ERROR, f"{BAD_INPUT}[muon_param_groups/a_list]"),
+    "a momentum buffer of another shape loaded into Muon": (
+        CLEAR_ERROR, f"{BAD_INPUT}[muon/load_a_momentum_buffer_of_another_shape]"),
+    "Muon with a sparse gradient": (CLEAR_ERROR, f"{BAD_INPUT}[muon/sparse_gradient]"),
+    "Muon over an FSDP2 shard (a DTensor) fails inside torch": (CLEAR_ERROR, f"{BAD_INPUT}[muon/a_dtensor_parameter]"),
+    # Part 2. Unclear, dmuon:
+    "a non-contiguous matrix 'shares its storage', no hint to .contiguous()": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon/non_contiguous_matrix]"),
+    "an expanded matrix 'shares its storage', no hint to .contiguous()": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/expanded_matrix]"),
+    "dedicate_params of a list": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/dedicate_a_list]"),
+    "a string as the predicate": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/predicate_a_string]"),
+    "a predicate of one argument": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/predicate_of_one_argument]"),
+    "dmuon.no_sync of a list is said to have no dedicated parameters": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/no_sync_of_a_list]"),
+    "dmuon.Muon(adamw_betas=0.9)": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.Muon/adamw_betas_a_float]"),
+    "dmuon.Muon(adamw_lr='1e-3')": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.Muon/adamw_lr_a_string]"),
+    "dmuon.set_model_state_dict(model, None)": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.set_model_state_dict/none]"),
+    "a model state dict entry of another shape loads the entries before it": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[dmuon.set_model_state_dict/entry_of_another_shape]"),
+    "dmuon.set_optimizer_state_dict given the model's state dict (KeyError)": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.set_optimizer_state_dict/the_models_state_dict]"),
+    "a momentum buffer of another shape loaded into dmuon.Muon": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[dmuon.set_optimizer_state_dict/momentum_of_another_shape]"),
+    "dmuon.imbalance of an owner without a shape (KeyError)": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.imbalance/an_owner_without_a_shape]"),
+    # Part 2. Unclear, course, launcher, grader and widgets:
+    "effective_lr_multiplier(lr='0.1')": (CLEAR_ERROR, f"{BAD_INPUT}[effective_lr_multiplier/lr_a_string]"),
+    "training_curve(steps=-1) returns an empty curve": (CLEAR_ERROR, f"{BAD_INPUT}[training_curve/negative_steps]"),
+    "lr_scaling_widget('adam') (KeyError)": (CLEAR_ERROR, f"{BAD_INPUT}[widgets/unknown_optimizer_of_the_widget]"),
+    "cost_widget(N=0) is clamped to 1 by its slider": (CLEAR_ERROR, f"{BAD_INPUT}[widgets/cost_widget_with_no_rank]"),
+    "torchrun(None) fails inside pathlib": (CLEAR_ERROR, f"{BAD_INPUT}[torchrun/script_none]"),
+    "session(timeout_s=inf) overflows in datetime": (CLEAR_ERROR, f"{BAD_INPUT}[session/infinite_timeout]"),
+    "checkpoint.latest(None) fails inside pathlib": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.latest/root_none]"),
+    "MarkovSource.random(seed='0') fails inside torch": (CLEAR_ERROR, f"{BAD_INPUT}[MarkovSource.random/seed_a_string]"),
+    # Part 2. Got worse since the first round:
+    "a rank silent inside a reduce: the error names only the waiting rank ('pair closure')": (
+        CLEAR_ERROR, "test_bad_input::test_a_timeout_that_closed_the_connection_names_the_silent_rank"),
+    "a rank silent inside a reduce, on two ranks": (
+        CLEAR_ERROR, "test_dmuon::test_a_rank_silent_in_a_reduce_is_named_as_such_by_the_launcher"),
+    "a checkpoint of the older save is said not to be checkpoint.save's": (
+        CORRECT, "test_bad_input::test_a_checkpoint_of_the_older_save_loads_with_a_warning_and_latest_says_why_it_passes_over_it"),
+    "ranks with different numbers of micro-batches end at the collective timeout, unnamed": (
+        CLEAR_ERROR, "test_dmuon::test_ranks_with_windows_of_different_lengths_are_told_so_at_the_first_forward_where_they_part"),
 }
 
 

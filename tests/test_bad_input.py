@@ -2,12 +2,20 @@
 
 One table, one row per bad input: the call, the error type, and a fragment of the
 message that says what to do (not only what was wrong). The test ids name the bad
-inputs. dmuon cases run on a one-rank gloo process group in this process; the dmuon
-misuse that needs several ranks (a mesh that does not span the process group,
-stepping inside no_sync, non-finite gradients on one rank) is in tests/test_reliability.py
-(test_distributed_misuse_raises_on_every_rank, test_non_finite_gradients_skip_the_step_on_every_rank),
-the launcher's faults there and in tests/test_data_parallel.py.
+inputs. A second table takes refused calls that could have changed something (a
+weight, an optimizer state) and checks that they changed nothing. Below them, the bad
+inputs whose answer is a correct result rather than an error. dmuon cases run on a
+one-rank gloo process group in this process; the dmuon misuse that needs several ranks
+(a mesh that does not span the process group, stepping inside no_sync, non-finite
+gradients on one rank) is in tests/test_reliability.py (test_distributed_misuse_raises_on_every_rank,
+test_non_finite_gradients_skip_the_step_on_every_rank) and tests/test_dmuon.py (windows of
+different lengths on two ranks, a rank silent in a reduce), the launcher's faults there and
+in tests/test_data_parallel.py.
 """
+
+import json
+import math
+import warnings
 
 import pytest
 from helpers import Tiny
@@ -17,14 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import dmuon_edu
 from dmuon_edu import checkpoint, distributed, dmuon, muon
-from dmuon_edu.course import widgets
+from dmuon_edu.course import pitfalls, widgets
 from dmuon_edu.course.checks import run_check
 from dmuon_edu.course.data import MarkovSource, lm_batch
 from dmuon_edu.course.dmuon_problem import is_dedicated
-from dmuon_edu.launch import torchrun
+from dmuon_edu.course.timeline import Timeline
+from dmuon_edu.launch import RankFailedError, torchrun
 from dmuon_edu.newton_schulz import newton_schulz
 
 
@@ -33,8 +43,8 @@ def mesh(one_rank_mesh):
     return one_rank_mesh
 
 
-def dedicated(mesh, shard=True):
-    model = Tiny()
+def dedicated(mesh, shard=True, model=None):
+    model = Tiny() if model is None else model
     dmuon.dedicate_params(model, mesh, is_dedicated)
     if shard:
         fully_shard(model, mesh=mesh)
@@ -107,8 +117,89 @@ def half_written_checkpoint(tmp_path):
     checkpoint.load({"model": {}}, tmp_path / "ckpt")
 
 
+def step_of(model, optimizer, microbatches=None, loss_fn=F.mse_loss, **kwargs):
+    return dmuon_edu.train_step_with_accumulation(model, optimizer, [(X, X)] if microbatches is None else microbatches,
+                                                 loss_fn, **kwargs)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def own_step(model, microbatches=None, **kwargs):
+    """A step of ``model`` with an optimizer of its own."""
+    return step_of(model, sgd(model), microbatches, **kwargs)
+
+
+def own_train(loader, **kwargs):
+    model = nn.Linear(2, 2)
+    return dmuon_edu.train(model, sgd(model), loader, F.mse_loss, 1, **kwargs)
+
+
+def frozen_step():
+    model = nn.Linear(2, 2)
+    optimizer = sgd(model)
+    model.requires_grad_(False)
+    step_of(model, optimizer)
+
+
+def step_under_no_grad():
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        step_of(model, sgd(model))
+
+
+def with_matrix(weight):
+    """A Tiny whose first up_proj weight is ``weight`` (not dedicated yet)."""
+    model = Tiny()
+    model.layers[0]["up_proj"].weight = nn.Parameter(weight)
+    return model
+
+
+def muon_step_with_gradient(gradient):
+    p = nn.Parameter(torch.zeros(3, 3))
+    optimizer = muon.Muon([p], lr=0.02)
+    if gradient.dtype == p.dtype:
+        p.grad = gradient
+    else:  # assigning p.grad checks the dtype; replacing p.grad.data, as hand-made gradient code may, does not
+        p.grad = torch.zeros(3, 3)
+        p.grad.data = gradient
+    optimizer.step()
+
+
+def muon_loading_a_buffer_of_shape(shape):
+    p = nn.Parameter(torch.zeros(3, 3))
+    optimizer = muon.Muon([p], lr=0.02)
+    p.grad = torch.ones(3, 3)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["state"][0]["momentum_buffer"] = torch.zeros(shape)
+    optimizer.load_state_dict(saved)
+
+
+def dmuon_model_state_dict_with(mesh, name, value):
+    model = dedicated(mesh)
+    saved = dmuon.get_model_state_dict(model)
+    saved[name] = value
+    dmuon.set_model_state_dict(model, saved)
+
+
+def dmuon_momentum_of_shape(mesh, shape):
+    model = dedicated(mesh)
+    optimizer = dmuon.Muon(model)
+    saved = dmuon.get_optimizer_state_dict(model, optimizer)
+    saved["state"]["layers.0.up_proj.weight"]["momentum_buffer"] = torch.zeros(shape)
+    dmuon.set_optimizer_state_dict(model, optimizer, saved)
+
+
+def dmuon_optimizer_given_the_models_state_dict(mesh):
+    model = dedicated(mesh)
+    dmuon.set_optimizer_state_dict(model, dmuon.Muon(model), dmuon.get_model_state_dict(model))
+
+
 X = torch.randn(3, 2)
 DUPLICATED = nn.Parameter(torch.zeros(3, 3))
+SHARED = torch.zeros(5, 3)  # two parameters over rows 0-3 and 1-4 of it
 
 # id, call (taking the fixtures it names), error type, a fragment of the message that says what to do
 CASES = [
@@ -131,6 +222,37 @@ CASES = [
     ("accumulation_windows/accum_steps_zero", lambda: dmuon_edu.accumulation_windows([1, 2], 0), ValueError,
      "micro-batches per optimizer step"),
     ("accumulation_windows/accum_steps_float", lambda: dmuon_edu.accumulation_windows([1, 2], 2.0), ValueError, "an int >= 1"),
+    ("train_step/optimizer_none", lambda: step_of(nn.Linear(2, 2), None), TypeError,
+     "optimizer must be a torch.optim.Optimizer, got None; build one on the model's parameters"),
+    ("train_step/model_not_callable", lambda: step_of("model", sgd(nn.Linear(2, 2))), TypeError,
+     "model must be callable, got the string 'model'; pass the model (an nn.Module)"),
+    ("train_step/loss_without_grad", lambda: lm_step(lambda p, t: F.mse_loss(p.detach(), t)), ValueError,
+     "the loss of microbatch 0 does not require grad, so backward cannot reach the parameters; does loss_fn"),
+    ("train_step/under_no_grad", step_under_no_grad, ValueError, "runs under torch.no_grad(): call it outside"),
+    ("train_step/all_parameters_frozen", frozen_step, ValueError,
+     "every parameter of the optimizer is frozen (requires_grad=False)"),
+    ("train_step/optimizer_of_another_model", lambda: step_of(nn.Linear(2, 2), sgd(nn.Linear(2, 2))), ValueError,
+     "build the optimizer on model.parameters()"),
+    ("train_step/fp16_model_fp32_inputs", lambda: own_step(nn.Linear(2, 2).half()), TypeError,
+     "are torch.float32 but the model's parameters are torch.float16: convert them"),
+    ("train_step/scaler_not_a_grad_scaler", lambda: own_step(nn.Linear(2, 2), scaler="yes"),
+     TypeError, "scaler must be a torch.amp.GradScaler, got the string 'yes'"),
+    ("train_step/meta_inputs", lambda: linear_step([(X.to("meta"), X)]), ValueError,
+     "the inputs of microbatch 0 are on the meta device"),
+    ("train_step/meta_model", lambda: own_step(nn.Linear(2, 2).to("meta")), ValueError,
+     "the model's parameters are on the meta device, which holds no values: materialise it first"),
+    ("train_step/targets_a_list", lambda: linear_step([(X, X.tolist())]), TypeError,
+     "the targets of microbatch 0 are a list of length 3 of numbers, not a tensor: pass torch.tensor(targets)"),
+    ("train_step/inputs_a_list", lambda: linear_step([(X.tolist(), X)]), TypeError, "pass torch.tensor(inputs)"),
+    ("accumulation_windows/batches_none", lambda: dmuon_edu.accumulation_windows(None, 2), TypeError,
+     "batches must be an iterable, got None; pass a list of micro-batches or a DataLoader"),
+    ("train/loader_none", lambda: own_train(None), TypeError, "loader must be an iterable, got None"),
+    ("train/progress_a_string", lambda: own_train([(X, X)], progress="no"), TypeError, "progress must be True or False, got 'no'"),
+    ("summed_token_loss/float_targets", lambda: dmuon_edu.summed_token_loss(torch.randn(3, 5), torch.randn(3)), TypeError,
+     "convert with targets.long()"),
+    ("summed_token_loss/targets_of_another_shape",
+     lambda: dmuon_edu.summed_token_loss(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long)), ValueError,
+     "targets need one token id per row of logits"),
     # compare, memory
     ("max_parameter_difference/different_models", lambda: dmuon_edu.max_parameter_difference(nn.Linear(2, 2), nn.Linear(2, 3)),
      ValueError, "in one model and"),
@@ -171,6 +293,39 @@ CASES = [
     ("newton_schulz/negative_eps", lambda: newton_schulz(torch.randn(3, 3), eps=-1.0), ValueError, "1e-7 is the usual value"),
     ("newton_schulz/integer_matrix", lambda: newton_schulz(torch.ones(3, 3, dtype=torch.long)), TypeError,
      "floating-point torch.Tensors"),
+    ("newton_schulz/nan_coefficient", lambda: newton_schulz(torch.randn(4, 4), coefficients=(float("nan"), 0, 0)),
+     ValueError, "coefficients must be finite numbers, got (nan, 0, 0); 'jordan' is the usual set"),
+    ("newton_schulz/infinite_eps", lambda: newton_schulz(torch.randn(4, 4), eps=float("inf")), ValueError,
+     "eps must be a finite number >= 0, got inf; 1e-7 is the usual value"),
+    ("newton_schulz/ten_million_steps", lambda: newton_schulz(torch.randn(4, 4), steps=10**7), ValueError,
+     "steps must be at most 100, got 10000000: more steps do not converge further"),
+    ("newton_schulz/overwrite_an_expanded_input",
+     lambda: newton_schulz(torch.randn(1, 4).expand(4, 4), overwrite_input=True), ValueError,
+     "G's entries share memory (an expand()-ed or as_strided view), so Newton-Schulz cannot write into it: pass "
+     "overwrite_input=False, or G.clone()"),
+    ("muon/ns_steps_ten_million", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02, ns_steps=10**7),
+     ValueError, "ns_steps must be at most 100"),
+    ("muon/a_model_instead_of_its_parameters", lambda: muon.Muon(nn.Linear(3, 3), lr=0.02), TypeError,
+     "Muon takes a list of parameters, not the model (Linear): pass its hidden matrices, e.g. muon_param_groups(model)[0]"),
+    ("muon/empty_parameter_list", lambda: muon.Muon([], lr=0.02), ValueError,
+     "Muon got an empty list of parameters: pass the model's hidden matrices"),
+    ("muon/expanded_parameter", lambda: muon.Muon([nn.Parameter(torch.zeros(1, 3).expand(3, 3))], lr=0.02), ValueError,
+     "has entries that share memory (an expand()-ed tensor), which Muon cannot update: give it its own"),
+    ("muon/parameters_sharing_memory", lambda: muon.Muon([nn.Parameter(SHARED[:4]), nn.Parameter(SHARED[1:])], lr=0.02),
+     ValueError, "Muon would update the shared entries twice per step. Give each parameter storage of its own"),
+    ("muon/meta_parameter", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3, device="meta"))], lr=0.02), ValueError,
+     "is on the meta device, which holds no values: materialise the model first"),
+    ("muon/float64_gradient_on_float32_parameter", lambda: muon_step_with_gradient(torch.ones(3, 3, dtype=torch.float64)),
+     ValueError, "is torch.float64 of shape (3, 3), but the parameter is torch.float32 of shape (3, 3): Muon steps a "
+     "parameter with a gradient like it. Set p.grad from backward, or convert it: p.grad = p.grad.to(p.dtype)"),
+    ("muon/sparse_gradient", lambda: muon_step_with_gradient(torch.eye(3).to_sparse()), TypeError,
+     "Muon takes dense gradients"),
+    ("muon/load_a_momentum_buffer_of_another_shape", lambda: muon_loading_a_buffer_of_shape((2, 2)), ValueError,
+     "has shape (2, 2), but the parameter has shape (3, 3): the state_dict is another model's"),
+    ("muon/load_state_dict_none", lambda: muon.Muon([nn.Parameter(torch.zeros(3, 3))], lr=0.02).load_state_dict(None),
+     TypeError, "state_dict must be what Muon.state_dict() returns, a dict with 'state' and 'param_groups', got None"),
+    ("muon_param_groups/a_list", lambda: muon.muon_param_groups([nn.Linear(2, 2)]), TypeError,
+     "muon_param_groups takes the model (an nn.Module), got a list of length 1"),
     # data
     ("MarkovSource.random/vocab_size_one", lambda: MarkovSource.random(1), ValueError, "an int >= 2"),
     ("MarkovSource/negative_entry", lambda: MarkovSource(torch.tensor([[0.5, 0.5], [1.5, -0.5]])), ValueError,
@@ -190,11 +345,35 @@ CASES = [
     ("lm_batch/negative_token", lambda: lm_batch([torch.tensor([1, 2, 3]), torch.tensor([4, -100, 5])]), ValueError,
      "sequence 1 holds the negative token id -100; token ids must be >= 0"),
     ("lm_batch/float_tokens", lambda: lm_batch([torch.tensor([1.5, 2.0])]), TypeError, "integer token tensors"),
+    ("MarkovSource.random/seed_a_string", lambda: MarkovSource.random(4, seed="0"), TypeError,
+     "seed must be an int, got the string '0'"),
+    # pitfalls, widgets, timeline
+    ("effective_lr_multiplier/infinite_lr", lambda: pitfalls.effective_lr_multiplier("sgd", 4, lr=float("inf")),
+     ValueError, "lr must be > 0 and finite, got inf"),
+    ("effective_lr_multiplier/lr_a_string", lambda: pitfalls.effective_lr_multiplier("sgd", 4, lr="0.1"), TypeError,
+     "lr must be a number, got the string '0.1'; pass a positive number such as 0.1"),
+    ("relative_decay_strength/weight_decay_a_string", lambda: pitfalls.relative_decay_strength("sgd", 4, "0.1"),
+     TypeError, "weight_decay must be a number, got the string '0.1'"),
+    ("training_curve/negative_steps", lambda: pitfalls.training_curve("sgd", 4, scale_loss=True, steps=-1), ValueError,
+     "steps must be an int >= 1, got -1"),
+    ("widgets/unknown_optimizer_of_the_widget", lambda: widgets.lr_scaling_widget("adam"), ValueError,
+     "unknown optimizer 'adam'; use one of sgd, momentum, adamw, muon"),
+    ("widgets/cost_widget_with_no_rank", lambda: widgets.cost_widget(N=0), ValueError, "N must be between 1 and 64"),
+    ("widgets/cost_figure_no_sync_a_string", lambda: widgets.cost_figure(8, 4, 12, "no"), TypeError,
+     "no_sync must be True or False, got 'no'"),
+    ("Timeline/a_number_for_the_layers", lambda: Timeline(3), TypeError,
+     "layers must be an iterable, got an int; pass the modules to time, e.g. model.layers"),
     # launcher, distributed, checks, widgets, checkpoint
     ("torchrun/missing_script", not_a_script, FileNotFoundError, "pass the path of a .py file"),
     ("torchrun/nproc_zero", lambda: torchrun(__file__, nproc=0), ValueError, "nproc must be an int >= 1"),
     ("torchrun/timeout_zero", lambda: torchrun(__file__, timeout=0), ValueError, "a positive number of seconds"),
     ("torchrun/args_one_string", lambda: torchrun(__file__, args="--steps 3"), TypeError, "['--steps', '3']"),
+    ("torchrun/script_none", lambda: torchrun(None), TypeError, "script must be the path of a .py file (a str or a Path)"),
+    ("session/infinite_timeout", lambda: distributed.session(timeout_s=float("inf")).__enter__(), ValueError,
+     "timeout_s must be a positive number of seconds, finite, got inf"),
+    ("checkpoint.latest/root_none", lambda: checkpoint.latest(None), TypeError,
+     "root must be a directory's path (a str or a Path), got None"),
+    ("checkpoint.save/path_none", lambda: checkpoint.save({}, None), TypeError, "path must be a directory's path"),
     ("session/not_started_by_torchrun", lambda: distributed.session().__enter__(), RuntimeError,
      "dmuon_edu.launch.torchrun(path, nproc=2)"),
     ("session/timeout_zero", lambda: distributed.session(timeout_s=0).__enter__(), ValueError,
@@ -261,6 +440,56 @@ CASES = [
         dedicated(mesh), dmuon.StateDictOptions(), rank0_only=False), TypeError, "not both"),
     ("dmuon/clip_grad_norm_of_a_list", lambda mesh: dmuon.clip_grad_norm_([], 1.0), TypeError,
      "takes the model or its dmuon.Muon"),
+    ("dmuon/non_contiguous_matrix", lambda mesh: dmuon.dedicate_params(with_matrix(torch.randn(4, 4).T), mesh, is_dedicated),
+     ValueError, "layers.0.up_proj.weight is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
+     "travels as one block of memory of its own: replace it with nn.Parameter(weight.detach().contiguous())"),
+    ("dmuon/expanded_matrix",
+     lambda mesh: dmuon.dedicate_params(with_matrix(torch.randn(1, 4).expand(4, 4)), mesh, is_dedicated), ValueError,
+     "is not contiguous (a transposed or expand()-ed view)"),
+    ("dmuon/view_into_a_larger_tensor",
+     lambda mesh: dmuon.dedicate_params(with_matrix(torch.randn(8, 4)[4:]), mesh, is_dedicated), ValueError,
+     "(it is a view into a larger one); dedicated parameters need their own: replace it with "
+     "nn.Parameter(weight.detach().clone())"),
+    ("dmuon/dedicate_a_list", lambda mesh: dmuon.dedicate_params([Tiny()], mesh, is_dedicated), TypeError,
+     "dedicate_params takes the model (an nn.Module), got a list of length 1; pass the model itself"),
+    ("dmuon/predicate_a_string", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, "proj"), TypeError,
+     "predicate must be callable, got the string 'proj'; pass a function of (name, param)"),
+    ("dmuon/predicate_of_one_argument", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, lambda name: "proj" in name),
+     TypeError, "predicate is called as predicate(name, param), but it takes (name)"),
+    ("dmuon/no_sync_of_a_list", lambda mesh: dmuon.no_sync([dedicated(mesh)]).__enter__(), TypeError,
+     "dmuon takes the model (an nn.Module), got a list of length 1; pass the model that dmuon.dedicate_params"),
+    ("dmuon/held_bytes_of_a_string", lambda mesh: dmuon.held_bytes("model"), TypeError,
+     "dmuon takes the model (an nn.Module), got the string 'model'"),
+    ("dmuon.Muon/adamw_betas_a_float", lambda mesh: dmuon.Muon(dedicated(mesh), adamw_betas=0.9), TypeError,
+     "adamw_betas must be a pair of numbers, got 0.9; (0.9, 0.999) is the default"),
+    ("dmuon.Muon/adamw_lr_a_string", lambda mesh: dmuon.Muon(dedicated(mesh), adamw_lr="1e-3"), TypeError,
+     "adamw_lr must be a number, got '1e-3'"),
+    ("dmuon.Muon/float16_adamw_eps_rounds_to_zero", lambda mesh: dmuon.Muon(dedicated(mesh, model=Tiny().half())),
+     ValueError, "adamw_eps=1e-08 rounds to 0 in torch.float16, the dtype of AdamW parameters of this model, so AdamW "
+     "would write NaN into them. Keep the parameters in float32"),
+    ("dmuon.set_model_state_dict/none", lambda mesh: dmuon.set_model_state_dict(dedicated(mesh), None), TypeError,
+     "model_state_dict must be a dict {name: tensor}, as dmuon.get_model_state_dict returns, got None"),
+    ("dmuon.set_model_state_dict/entry_of_another_shape",
+     lambda mesh: dmuon_model_state_dict_with(mesh, "layers.1.up_proj.weight", torch.zeros(3, 3)), ValueError,
+     "layers.1.up_proj.weight in the state dict has shape (3, 3), but the model's has shape (4, 4): the state dict is "
+     "another model's, and nothing was loaded"),
+    ("dmuon.set_model_state_dict/entry_a_list",
+     lambda mesh: dmuon_model_state_dict_with(mesh, "layers.0.norm.bias", [0.0] * 4), TypeError,
+     "layers.0.norm.bias in the state dict is a list of length 4, not a tensor; nothing was loaded"),
+    ("dmuon.set_optimizer_state_dict/the_models_state_dict", dmuon_optimizer_given_the_models_state_dict, TypeError,
+     "optim_state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' and 'param_groups'"),
+    ("dmuon.set_optimizer_state_dict/momentum_of_another_shape", lambda mesh: dmuon_momentum_of_shape(mesh, (3, 3)),
+     ValueError, "the momentum buffer of layers.0.up_proj.weight in the state dict has shape (3, 3), but the model's "
+     "has shape (4, 4)"),
+    ("dmuon.plan_owners/negative_shape", lambda: dmuon.plan_owners({"w": (-3, 4)}, 2), ValueError,
+     "w has shape (-3, 4): a shape is two ints >= 0, such as tuple(p.shape)"),
+    ("dmuon.plan_owners/a_list_of_shapes", lambda: dmuon.plan_owners([(4, 4)], 2), TypeError,
+     "shapes must be a dict {name: (m, n)}"),
+    ("dmuon.imbalance/an_owner_without_a_shape", lambda: dmuon.imbalance({"a": 0}, {}, 2), ValueError,
+     "a has an owner but no shape: pass the shapes the plan was made from"),
+    ("muon/a_dtensor_parameter", lambda mesh: muon.Muon(
+        [nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))], lr=0.02), TypeError,
+     "is a DTensor (sharded by fully_shard), and Muon orthogonalises whole matrices: for a sharded model use dmuon.Muon"),
 ]
 
 
@@ -276,3 +505,193 @@ def test_bad_input_gets_an_error_that_says_what_to_do(request, call, error, frag
 def test_the_table_is_large_enough_and_every_id_is_unique():
     ids = [c[0] for c in CASES]
     assert len(ids) >= 25 and len(set(ids)) == len(ids)
+
+
+# --- a refused call changes nothing -------------------------------------------------------------------
+
+def trained_linear():
+    """A model and an SGD with momentum after one step: the optimizer holds state a refused call could touch."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    optimizer = sgd(model)
+    step_of(model, optimizer)
+    return model, optimizer
+
+
+def refused_step(**step):
+    model, optimizer = trained_linear()
+    return lambda: step_of(model, optimizer, **step), lambda: (model.state_dict(), optimizer.state_dict())
+
+
+def refused_step_of_another_model():
+    model, optimizer = trained_linear()
+    other = nn.Linear(2, 2)
+    return lambda: step_of(other, optimizer), lambda: (model.state_dict(), optimizer.state_dict(), other.state_dict())
+
+
+def refused_fp16_forward():
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2).half()
+    optimizer = sgd(model)
+    return lambda: step_of(model, optimizer), lambda: (model.state_dict(), optimizer.state_dict())
+
+
+def refused_muon_step():
+    """Two parameters, the second with a float64 gradient: the first must not step either."""
+    good, bad = nn.Parameter(torch.ones(3, 3)), nn.Parameter(torch.ones(3, 3))
+    optimizer = muon.Muon([good, bad], lr=0.02)
+    good.grad, bad.grad = torch.ones(3, 3), torch.zeros(3, 3)
+    bad.grad.data = torch.ones(3, 3, dtype=torch.float64)
+    return optimizer.step, lambda: (good.detach().clone(), bad.detach().clone(), optimizer.state_dict())
+
+
+def refused_muon_load():
+    p = nn.Parameter(torch.zeros(3, 3))
+    optimizer = muon.Muon([p], lr=0.02)
+    p.grad = torch.ones(3, 3)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved = {**saved, "state": {0: {"momentum_buffer": torch.zeros(2, 2)}}}
+    return lambda: optimizer.load_state_dict(saved), optimizer.state_dict
+
+
+def refused_overwrite():
+    G = torch.randn(1, 4).expand(4, 4)
+    return lambda: newton_schulz(G, overwrite_input=True), lambda: G.clone()
+
+
+def dmuon_state(model, optimizer):
+    return lambda: (dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, optimizer))
+
+
+def refused_dmuon_model_load(mesh):
+    model = dedicated(mesh)
+    optimizer = dmuon.Muon(model)
+    saved = {name: value + 1 for name, value in dmuon.get_model_state_dict(model).items()}
+    saved["layers.1.up_proj.weight"] = torch.zeros(3, 3)  # every entry before it would load
+    return lambda: dmuon.set_model_state_dict(model, saved), dmuon_state(model, optimizer)
+
+
+def refused_dmuon_optimizer_load(mesh):
+    model = dedicated(mesh)
+    optimizer = dmuon.Muon(model)
+    saved = dmuon.get_optimizer_state_dict(model, optimizer)
+    for state in saved["state"].values():
+        for value in state.values():
+            value.add_(1)
+    saved["state"]["layers.1.up_proj.weight"]["momentum_buffer"] = torch.zeros(3, 3)
+    return lambda: dmuon.set_optimizer_state_dict(model, optimizer, saved), dmuon_state(model, optimizer)
+
+
+# id (a row of CASES where there is one), setup returning (the refused call, what must not change)
+UNCHANGED = [
+    ("train_step/loss_without_grad", lambda: refused_step(loss_fn=lambda p, t: F.mse_loss(p.detach(), t))),
+    ("train_step/targets_a_list", lambda: refused_step(microbatches=[(X, X.tolist())])),
+    ("train_step/scaler_not_a_grad_scaler", lambda: refused_step(scaler="yes")),
+    ("train_step/meta_inputs", lambda: refused_step(microbatches=[(X.to("meta"), X)])),
+    ("train_step/optimizer_of_another_model", refused_step_of_another_model),
+    ("train_step/fp16_model_fp32_inputs", refused_fp16_forward),
+    ("muon/float64_gradient_on_float32_parameter", refused_muon_step),
+    ("muon/load_a_momentum_buffer_of_another_shape", refused_muon_load),
+    ("newton_schulz/overwrite_an_expanded_input", refused_overwrite),
+    ("dmuon.set_model_state_dict/entry_of_another_shape", refused_dmuon_model_load),
+    ("dmuon.set_optimizer_state_dict/momentum_of_another_shape", refused_dmuon_optimizer_load),
+]
+
+
+def _flat(value, path=""):
+    """(path, value) for every leaf of nested dicts, lists and tuples; tensors as copies."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from _flat(value[key], f"{path}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _flat(item, f"{path}/{index}")
+    else:
+        yield path, value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _snapshot(value):
+    return list(_flat(value))
+
+
+def _same(a, b):
+    """Whether two snapshots hold the same paths and, bit for bit, the same values."""
+    return [p for p, _ in a] == [p for p, _ in b] and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.mark.parametrize("setup", [u[1] for u in UNCHANGED], ids=[u[0] for u in UNCHANGED])
+def test_a_refused_call_changes_nothing(request, setup):
+    names = setup.__code__.co_varnames[: setup.__code__.co_argcount]
+    call, state = setup(**{name: request.getfixturevalue(name) for name in names})
+    before = _snapshot(state())
+    with pytest.raises((TypeError, ValueError)):
+        call()
+    assert _same(before, _snapshot(state()))
+
+
+# --- bad inputs whose answer is a correct result ------------------------------------------------------
+
+def test_newton_schulz_of_a_parameter_that_requires_grad_is_that_of_its_values():
+    p = nn.Parameter(torch.randn(4, 6))
+    result = newton_schulz(p, dtype=torch.float32)
+    assert not result.requires_grad and torch.equal(result, newton_schulz(p.detach(), dtype=torch.float32))
+
+
+def test_newton_schulz_of_a_meta_matrix_is_a_meta_matrix_of_its_shape():
+    for G in (torch.empty(4, 6, device="meta"), torch.empty(3, 6, 4, device="meta")):
+        result = newton_schulz(G, dtype=torch.float32)
+        assert result.is_meta and result.shape == G.shape and result.dtype == torch.float32
+
+
+@pytest.mark.parametrize("optimizer,poison,scaler", [("sgd", "infinite_loss", None), ("adamw", "nan_input", None),
+                                                     ("sgd", "infinite_loss", "disabled GradScaler")])
+def test_a_gradient_holding_nan_or_inf_skips_the_step_and_says_so(optimizer, poison, scaler):
+    model, _ = trained_linear()
+    opt = sgd(model) if optimizer == "sgd" else torch.optim.AdamW(model.parameters())
+    step_of(model, opt)  # a first step: the optimizer holds state
+    before = _snapshot((model.state_dict(), opt.state_dict()))
+    x = X.clone()
+    if poison == "nan_input":
+        x[1, 0] = float("nan")
+    loss_fn = (lambda p, t: F.mse_loss(p, t) * math.inf) if poison == "infinite_loss" else F.mse_loss
+    with pytest.warns(RuntimeWarning, match="skipped this optimizer step: a gradient holds NaN or Inf.*unchanged"):
+        loss = step_of(model, opt, [(x, X)], loss_fn,
+                       scaler=torch.amp.GradScaler("cpu", enabled=False) if scaler else None)
+    assert not math.isfinite(loss)
+    assert _same(before, _snapshot((model.state_dict(), opt.state_dict())))
+    step_of(model, opt)  # and the next, finite window steps as usual
+    assert not _same(before, _snapshot((model.state_dict(), opt.state_dict())))
+
+
+def test_a_checkpoint_of_the_older_save_loads_with_a_warning_and_latest_says_why_it_passes_over_it(tmp_path):
+    torch.manual_seed(0)
+    saved = nn.Linear(3, 3)
+    checkpoint.save({"model": saved.state_dict()}, tmp_path / "old", step=1)
+    # What the older checkpoint.save wrote as its marker: the world size and the keys, no step, no checksums.
+    (tmp_path / "old" / checkpoint.MARKER).write_text(json.dumps({"world_size": 1, "keys": ["model"]}))
+    state = {"model": nn.Linear(3, 3).state_dict()}
+    with pytest.warns(RuntimeWarning, match="written by an older checkpoint.save.*loaded unverified"):
+        checkpoint.load(state, tmp_path / "old")
+    assert all(torch.equal(state["model"][k], v) for k, v in saved.state_dict().items())
+    with pytest.warns(RuntimeWarning, match=r"passed over .*old: it was written by an older checkpoint.save.*"
+                                            r"checkpoint.load\(state, path\)"):
+        assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_timeout_that_closed_the_connection_names_the_silent_rank():
+    # gloo's words on a rank whose other wait timed out first and closed the connection (a rank silent in a
+    # reduce; tests/test_dmuon.py makes one happen on two ranks).
+    message = str(RankFailedError(0, "RuntimeError: Application timeout caused pair closure", "", silent_ranks=(1,)))
+    assert message.startswith("rank 0 failed: a collective timed out (RuntimeError: Application timeout caused "
+                              "pair closure). rank 1 raised nothing"), message
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the inputs on another device than the model")
+def test_inputs_on_another_device_than_the_model_are_named_with_the_move_to_make():
+    model = nn.Linear(2, 2).cuda()
+    with pytest.raises(ValueError, match=r"the inputs of microbatch 0 are on cpu but the model's parameters are on "
+                                         r"cuda:0: move them first, e.g. inputs.to\('cuda:0'\)"):
+        step_of(model, sgd(model), [(X, X.cuda())])

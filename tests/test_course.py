@@ -316,19 +316,33 @@ def test_a_redefined_check_does_not_pass(tmp_path):
 
 # One grading run over a folder of broken notebooks (a short cell timeout), read by the tests below.
 # Child processes, one started by a stalled cell, one by a cell that then kills its kernel: neither may
-# outlive the grading.
+# outlive the grading. The stalled cell first deletes a folder by a relative path and one under ~: the
+# grader runs in a folder and with a HOME that each hold a folder of that name, which must survive.
 SLEEPERS = {"loop": "293.71", "dies": "293.72"}
+REACH_OUT = ("import shutil\nshutil.rmtree('victim', ignore_errors=True)\n"
+             "shutil.rmtree(os.path.expanduser('~/victim'), ignore_errors=True)\n")
 
 
 @pytest.fixture(scope="module")
-def broken_folder_run(tmp_path_factory):
+def outside_folders(tmp_path_factory):
+    """The folder the grader runs in and its HOME, each holding a folder named victim."""
+    folders = tmp_path_factory.mktemp("grader_cwd"), tmp_path_factory.mktemp("home")
+    for folder in folders:
+        (folder / "victim").mkdir()
+    return folders
+
+
+@pytest.fixture(scope="module")
+def broken_folder_run(tmp_path_factory, outside_folders):
     folder = tmp_path_factory.mktemp("broken")
     (folder / "00_not_json.ipynb").write_text("{ this is not JSON")
     start_sleeper = "import os, subprocess\nsubprocess.Popen(['sleep', '{}'], start_new_session=True)\n"
     _notebook(folder / "01_kills_its_kernel.ipynb", start_sleeper.format(SLEEPERS["dies"]) + "os._exit(3)", CHECK_CELL)
-    _notebook(folder / "02_endless_loop.ipynb", start_sleeper.format(SLEEPERS["loop"]) + "while True:\n    pass",
-              CHECK_CELL)
-    program = ("import sys; from pathlib import Path; from dmuon_edu.course import cli; "
+    _notebook(folder / "02_endless_loop.ipynb",
+              start_sleeper.format(SLEEPERS["loop"]) + REACH_OUT + "while True:\n    pass", CHECK_CELL)
+    where, home = map(str, outside_folders)
+    program = ("import os, sys; from pathlib import Path; from dmuon_edu.course import cli; "
+               f"os.chdir({where!r}); os.environ['HOME'] = {home!r}; "
                f"cli.NOTEBOOKS = Path({str(folder)!r}); sys.exit(cli.main(['check', '--cell-timeout', '2']))")
     start = time.monotonic()
     # The subprocess's own timeout: a grader that stalls fails this test instead of hanging the suite.
@@ -364,6 +378,13 @@ def test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_be
     # 2 s cell timeout would run the loop for the default 120 s.
     assert seconds < 100, f"a 2 s cell timeout took {seconds:.0f} s"
     assert processes_running(f"sleep {SLEEPERS['loop']}") == []
+
+
+def test_a_cell_cannot_reach_the_graders_folder_or_home_by_a_relative_path_or_tilde(broken_folder_run,
+                                                                                      outside_folders):
+    result, _ = broken_folder_run
+    assert _row(result, "02_endless_loop"), result.stdout + result.stderr  # the cell ran
+    assert all((folder / "victim").is_dir() for folder in outside_folders), outside_folders
 
 
 def test_no_exercise_is_reported_and_exits_1(tmp_path, capsys):

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "dmuon_edu"
 
 # Lowest floor first: a library module may import only modules on the floors before its own.
 LIBRARY_FLOORS = [
+    ["arguments"],
     ["accumulation", "newton_schulz", "compare", "memory"],
     ["muon"],
     ["distributed", "launch"],

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dmuon_edu.arguments import require_flag
+
 __all__ = ["Cost", "SCHEMES", "cost", "wire_factor"]
 
 SCHEMES = ("DDP", "ZeRO-1", "FSDP2", "FSDP2, no reshard after forward", "dmuon Z3", "dmuon Z2")
@@ -70,6 +72,7 @@ def cost(scheme: str, *, P: float, N: int, k: int, L: int, no_sync: bool = True,
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not P > 0:
         raise ValueError(f"P must be a positive number of bytes, got {P!r}")
+    require_flag("no_sync", no_sync)
     syncs = 1 if no_sync else k  # backwards per window that communicate gradients
     layer = P / L
     if scheme == "DDP":

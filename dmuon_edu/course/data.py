@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dmuon_edu.accumulation import IGNORE_INDEX
+from dmuon_edu.arguments import require_int
 
 __all__ = ["MarkovSource", "entropy", "lm_batch"]
 
@@ -83,6 +84,7 @@ class MarkovSource:
             raise ValueError(f"order must be an int >= 1, got {order!r}")
         if not 0 <= sharpness < math.inf:  # infinite logits would make NaN rows
             raise ValueError(f"sharpness must be >= 0 and finite, got {sharpness}; 2.0 is the default")
+        require_int("seed", seed, hint="the random number generator's seed, e.g. 0")
         generator = torch.Generator().manual_seed(seed)
         logits = sharpness * torch.randn((vocab_size,) * (order + 1), generator=generator, dtype=torch.float64)
         return cls(torch.softmax(logits, dim=-1))

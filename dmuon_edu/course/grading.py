@@ -10,7 +10,10 @@ the check cell names on the function of that name, and prints the verdict after 
 token drawn for this run; :func:`grade` reads only those lines.
 
 Each notebook runs in a temporary working directory, with the exercise scripts it names
-copied beside it. A cell that runs past ``cell_timeout``, a kernel that dies and a file
+copied beside it, and with HOME there too: a relative path or ``~`` in a learner's cell
+reaches that directory, not the course or the user's files. That is no sandbox: the
+learner's code runs with the user's rights (as in nbgrader), and an absolute path
+reaches anything the user may touch. A cell that runs past ``cell_timeout``, a kernel that dies and a file
 that is not a notebook each become a row, and the other notebooks are still graded; so
 does a notebook with no exercise. :func:`grade_script` runs a torchrun exercise script
 (its verdict is the line the package's ``report`` prints on rank 0), and
@@ -173,7 +176,7 @@ def _run(notebook: nbformat.NotebookNode, scripts: list[Path], cell_timeout: flo
                                 shutdown_kernel="immediate", resources={"metadata": {"path": workdir}})
         mark = secrets.token_hex(8)
         try:
-            with client.setup_kernel(env={**os.environ, RUN_MARK: mark}):
+            with client.setup_kernel(env={**os.environ, RUN_MARK: mark, "HOME": workdir}):
                 try:
                     for position, cell in enumerate(notebook.cells):
                         client.execute_cell(cell, position)

@@ -21,12 +21,14 @@ and :func:`training_curve` shows it over a short run.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from dmuon_edu.accumulation import require_accum_steps, require_max_grad_norm, train_step_with_accumulation
+from dmuon_edu.arguments import require_flag, require_int, require_real
 from dmuon_edu.muon import ADJUST_LR_FNS, Muon, check_hyperparameters
 from dmuon_edu.newton_schulz import newton_schulz
 from dmuon_edu.course.threads import one_thread
@@ -45,6 +47,7 @@ __all__ = [
     "step_gradient_norms",
     "OPTIMIZERS",
     "make_optimizer",
+    "require_optimizer_name",
     "effective_lr_multiplier",
     "relative_decay_strength",
     "training_curve",
@@ -269,7 +272,7 @@ def make_optimizer(name: str, params, **hyper) -> torch.optim.Optimizer:
     (2-D parameters only). ``hyper`` goes to the constructor; ``lr`` defaults
     to :data:`DEFAULT_LR`.
     """
-    _require_optimizer_name(name)
+    require_optimizer_name(name)
     hyper = {"lr": DEFAULT_LR[name], **hyper}
     constructor, fixed = {
         "sgd": (torch.optim.SGD, {}),
@@ -298,12 +301,11 @@ def effective_lr_multiplier(
     gradient before the step; ``hyper`` goes to the optimizer (``lr``,
     ``weight_decay``, ``eps``, ...).
     """
-    _require_optimizer_name(optimizer)
+    require_optimizer_name(optimizer)
     require_accum_steps(accum_steps)
-    _require_flag("scale_loss", scale_loss)
+    require_flag("scale_loss", scale_loss)
     require_max_grad_norm(max_grad_norm)
-    if "lr" in hyper and not hyper["lr"] > 0:
-        raise ValueError(f"lr must be > 0, got {hyper['lr']}: the multiplier is a ratio of update sizes, and lr = 0 moves nothing")
+    _require_lr(hyper)
     full_batch, microbatches = _first_step_data(accum_steps)
     step_fn = train_step_with_accumulation if scale_loss else unscaled_loss
     with one_thread():
@@ -323,10 +325,10 @@ def relative_decay_strength(optimizer: str, accum_steps: int, weight_decay: floa
     about 1/N. AdamW's and Muon's decay is decoupled and their gradient part is
     normalised: about 1.
     """
-    _require_optimizer_name(optimizer)
+    require_optimizer_name(optimizer)
     require_accum_steps(accum_steps)
-    if not 0 < weight_decay < math.inf:
-        raise ValueError(f"weight_decay must be > 0 and finite, got {weight_decay}: with no decay there is no strength to compare")
+    require_real("weight_decay", weight_decay, positive=True, hint="with no decay there is no strength to compare")
+    _require_lr(hyper)
     full_batch, microbatches = _first_step_data(accum_steps)
 
     def strength(step_fn, window):
@@ -348,9 +350,12 @@ def training_curve(
     not depend on ``accum_steps`` at all. A run that diverges is cut short:
     its remaining losses are ``nan``.
     """
-    _require_optimizer_name(optimizer)
+    require_optimizer_name(optimizer)
     require_accum_steps(accum_steps)
-    _require_flag("scale_loss", scale_loss)
+    require_flag("scale_loss", scale_loss)
+    require_int("steps", steps, 1, hint="30 is the default")
+    require_int("batch_size", batch_size, 1, hint="64 is the default")
+    _require_lr(hyper)
     if accum_steps > batch_size:
         raise ValueError(
             f"cannot split a batch of {batch_size} samples into {accum_steps} micro-batches; "
@@ -362,7 +367,9 @@ def training_curve(
     opt = make_optimizer(optimizer, model.parameters(), **hyper)
     step_fn = train_step_with_accumulation if scale_loss else unscaled_loss
     losses = []
-    with one_thread():
+    with one_thread(), warnings.catch_warnings():
+        # A diverging run is the expected outcome here: it is cut short below, not warned about at every step.
+        warnings.filterwarnings("ignore", message="train_step_with_accumulation skipped", category=RuntimeWarning)
         for step in range(steps):
             x, y = batches[step % len(batches)]
             step_fn(model, opt, list(zip(x.tensor_split(accum_steps), y.tensor_split(accum_steps))), F.mse_loss)
@@ -408,13 +415,15 @@ def _regression_data(n_samples: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return inputs, torch.sin(inputs @ teacher / math.sqrt(IN_FEATURES))
 
 
-def _require_flag(name: str, value) -> None:
-    # A string such as "no" is truthy: taken as a flag it would silently mean True.
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+def _require_lr(hyper: dict) -> None:
+    # An infinite learning rate gives NaN weights, and a multiplier or a curve of NaN.
+    if "lr" in hyper:
+        require_real("lr", hyper["lr"], positive=True,
+                     hint="pass a positive number such as 0.1: the measures compare update sizes, and lr = 0 moves nothing")
 
 
-def _require_optimizer_name(name) -> None:
+def require_optimizer_name(name) -> None:
+    """Raise unless ``name`` is one of :data:`OPTIMIZERS`."""
     if not isinstance(name, str):
         raise TypeError(f"optimizer must be a name such as 'sgd', got {type(name).__name__}")
     if name not in OPTIMIZERS:

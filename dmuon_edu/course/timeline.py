@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dmuon_edu import distributed
+from dmuon_edu.arguments import require_iterable, require_module
 
 __all__ = ["Timeline", "collectives_by_phase", "plot_timeline"]
 
@@ -37,7 +38,10 @@ class Timeline:
     """Layer spans and collectives of the code run inside ``with``; usable once."""
 
     def __init__(self, layers: Sequence[nn.Module]):
+        require_iterable("layers", layers, "pass the modules to time, e.g. model.layers")
         self.layers = list(layers)
+        for index, layer in enumerate(self.layers):
+            require_module(f"Timeline (layer {index})", layer, "pass the modules to time, e.g. model.layers")
         self.spans: list[tuple[str, int, float, float]] = []
         self.events: list[tuple[float, str, int]] = []
         self._started: dict[tuple[str, int], float] = {}

@@ -18,12 +18,21 @@ import math
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from dmuon_edu.arguments import require_flag
 from dmuon_edu.course.cost_model import SCHEMES, cost
-from dmuon_edu.course.pitfalls import DEFAULT_LR, OPTIMIZERS, effective_lr_multiplier, training_curve
+from dmuon_edu.course.pitfalls import (
+    DEFAULT_LR,
+    OPTIMIZERS,
+    effective_lr_multiplier,
+    require_optimizer_name,
+    training_curve,
+)
 
 __all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget"]
 
 MAX_ACCUM_STEPS = 64
+# The cost widget's slider ranges: ranks N, micro-batches k, layers L.
+COST_SLIDERS = {"N": 64, "k": 32, "L": 48}
 # Where the multiplier is drawn, besides the chosen N.
 ACCUM_STEPS_GRID = (1, 2, 4, 8, 16, 32, 64)
 
@@ -45,7 +54,7 @@ def lr_scaling_figure(optimizer: str, accum_steps: int, *, lr: float, scale_loss
     with unscaled losses at learning rate ``lr``; the one ``scale_loss``
     selects is drawn bold.
     """
-    _require_slider_accum_steps(accum_steps)
+    _require_slider_value("accum_steps", accum_steps, MAX_ACCUM_STEPS)
     hyper = {"lr": lr}
     grid = sorted({*ACCUM_STEPS_GRID, accum_steps})
     multipliers = [_multiplier(optimizer, n, scale_loss=scale_loss, **hyper) for n in grid]
@@ -86,7 +95,9 @@ class LrScalingWidget(widgets.VBox):
     """The controls of :func:`lr_scaling_figure`, its latest figure (``.figure``) and that figure's PNG (``.plot``)."""
 
     def __init__(self, optimizer: str = "sgd", accum_steps: int = 8, scale_loss: bool = False):
-        _require_slider_accum_steps(accum_steps)  # the slider would silently clamp it
+        require_optimizer_name(optimizer)
+        _require_slider_value("accum_steps", accum_steps, MAX_ACCUM_STEPS)
+        require_flag("scale_loss", scale_loss)
         style = {"description_width": "initial"}
         self.optimizer = widgets.ToggleButtons(options=OPTIMIZERS, value=optimizer, description="optimizer", style=style)
         self.accum_steps = widgets.IntSlider(
@@ -133,9 +144,10 @@ def lr_scaling_widget(optimizer: str = "sgd", accum_steps: int = 8, scale_loss: 
     return LrScalingWidget(optimizer, accum_steps, scale_loss)
 
 
-def _require_slider_accum_steps(accum_steps) -> None:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or not 1 <= accum_steps <= MAX_ACCUM_STEPS:
-        raise ValueError(f"accum_steps must be between 1 and {MAX_ACCUM_STEPS} (an int), got {accum_steps!r}")
+def _require_slider_value(name: str, value, largest: int) -> None:
+    # A slider would silently clamp a value outside its range.
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= largest:
+        raise ValueError(f"{name} must be between 1 and {largest} (an int), got {value!r}")
 
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer state")
@@ -172,9 +184,12 @@ class CostWidget(widgets.VBox):
     """Sliders for N, k and L and a no_sync switch, over :func:`cost_figure`."""
 
     def __init__(self, N: int, k: int, L: int, no_sync: bool):
-        self.N = widgets.IntSlider(value=N, min=1, max=64, description="N ranks")
-        self.k = widgets.IntSlider(value=k, min=1, max=32, description="k micro")
-        self.L = widgets.IntSlider(value=L, min=1, max=48, description="L layers")
+        for name, value in (("N", N), ("k", k), ("L", L)):
+            _require_slider_value(name, value, COST_SLIDERS[name])
+        require_flag("no_sync", no_sync)
+        self.N = widgets.IntSlider(value=N, min=1, max=COST_SLIDERS["N"], description="N ranks")
+        self.k = widgets.IntSlider(value=k, min=1, max=COST_SLIDERS["k"], description="k micro")
+        self.L = widgets.IntSlider(value=L, min=1, max=COST_SLIDERS["L"], description="L layers")
         self.no_sync = widgets.Checkbox(value=no_sync, description="no_sync")
         self.plot = widgets.Image(format="png")
         self.figure: Figure | None = None

@@ -38,6 +38,7 @@ accumulated under no_sync in the master's dtype.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import uuid
 from collections import defaultdict
@@ -50,6 +51,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
+
+from dmuon_edu.arguments import require_callable, require_module
 
 from . import fsdp_exclusion, placeholder
 from .order import CollectiveOrder
@@ -115,6 +118,9 @@ class DMuonState:
     end_of_backward_queued: bool = False
     prefetch_depth: int = 1  # units whose broadcast is issued ahead of the one in use (dmuon.Muon sets it)
     in_no_sync: bool = False
+    # Forwards of the first unit since the last optimizer step: the micro-batch of the window, which the
+    # order check's forward events name, so that ranks with different numbers of micro-batches are told so.
+    microbatch: int = 0
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
@@ -351,6 +357,7 @@ def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def state_of(model: nn.Module) -> DMuonState:
+    require_module("dmuon", model, "pass the model that dmuon.dedicate_params(model, mesh, predicate) prepared")
     state = getattr(model, "_dmuon", None)
     if state is None:
         raise ValueError(
@@ -407,11 +414,13 @@ def dedicate_params(
     Raises:
         ValueError: the mesh is not 1-D or does not span the process group (with
             ``replicate_mesh``: the two axes do not span it as a grid), the predicate
-            selects nothing or a non-matrix, a matrix is on another device, or it
-            shares its storage.
+            selects nothing or a non-matrix, a matrix is on another device, is not
+            contiguous, or shares its storage.
         RuntimeError: the model is already sharded, or was already dedicated.
-        TypeError: ``reshard_after_forward`` is not a bool.
+        TypeError: ``model`` is not an nn.Module, ``predicate`` is not a function of
+            (name, param), or ``reshard_after_forward`` is not a bool.
     """
+    require_module("dedicate_params", model, "pass the model itself, before fully_shard")
     for argument, value in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
         if (value is not None or argument == "mesh") and (not isinstance(value, DeviceMesh) or value.ndim != 1):
             what = f"a {value.ndim}-D DeviceMesh" if isinstance(value, DeviceMesh) else type(value).__name__
@@ -443,6 +452,7 @@ def dedicate_params(
         raise RuntimeError("dedicate_params was already called on this model; call it once")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True (Z3) or False (Z2), got {reshard_after_forward!r}")
+    _require_predicate(predicate)
 
     params = {name: p for name, p in model.named_parameters() if predicate(name, p)}
     if not params:
@@ -461,8 +471,15 @@ def dedicate_params(
                 f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
                 f"device first (e.g. model.to('{mesh.device_type}')), then call dedicate_params"
             )
-        if not p.is_contiguous() or p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
-            raise ValueError(f"{name} shares its storage with another tensor; dedicated parameters need their own")
+        # A dedicated matrix travels as one block of memory of its own, and its non-owners free that memory.
+        if not p.is_contiguous():
+            raise ValueError(f"{name} is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
+                             "travels as one block of memory of its own: replace it with "
+                             "nn.Parameter(weight.detach().contiguous()) before dedicate_params")
+        if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            raise ValueError(f"{name} shares its storage with another tensor (it is a view into a larger one); "
+                             "dedicated parameters need their own: replace it with "
+                             "nn.Parameter(weight.detach().clone()) before dedicate_params")
 
     key, rank_at = _agree_on_every_rank(params, mesh, replicate_mesh)
     shards = mesh.size()
@@ -488,6 +505,18 @@ def dedicate_params(
     _build_units(model, state)
     model._dmuon = state
     return dict(owners)
+
+
+def _require_predicate(predicate) -> None:
+    hint = "pass a function of (name, param), e.g. lambda n, p: 'proj' in n and p.ndim == 2"
+    require_callable("predicate", predicate, hint)
+    try:
+        inspect.signature(predicate).bind("name", None)
+    except TypeError:
+        raise TypeError(f"predicate is called as predicate(name, param), but it takes {inspect.signature(predicate)}; "
+                        f"{hint}") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
 
 
 def _agree_on_every_rank(params: dict[str, nn.Parameter], mesh: DeviceMesh,
@@ -581,7 +610,10 @@ def _unit_path(model: nn.Module, name: str) -> str:
 
 
 def _before_forward(state: DMuonState, unit: Unit) -> None:
-    state.order.check(f"the forward of {unit.path or 'the model'}")
+    if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
+        state.microbatch += 1
+    state.order.check(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
+                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")
     state.issue_broadcasts(unit)
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
         state.prefetch(unit, +1)

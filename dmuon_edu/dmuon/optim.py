@@ -31,6 +31,7 @@ already holds every entry a checkpoint load fills.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -78,10 +79,13 @@ class Muon(torch.optim.Optimizer):
             results either way; nothing to publish on a 1-D mesh.
 
     Raises:
-        TypeError: ``model`` is not an nn.Module.
+        TypeError: ``model`` is not an nn.Module, or a hyperparameter has the wrong type.
         ValueError: the model has no dedicated parameters, a trainable parameter is
-            neither dedicated nor sharded by FSDP2, or a hyperparameter is invalid (also
-            checked at every step, after schedulers and state dict loads).
+            neither dedicated nor sharded by FSDP2, a hyperparameter is invalid (also
+            checked at every step, after schedulers and state dict loads), or
+            ``adamw_eps`` rounds to 0 in the dtype of the AdamW parameters (1e-8 in
+            float16: AdamW would write NaN into them; keep float32 parameters and compute
+            in float16 through fully_shard's mp_policy).
         RuntimeError: ``step()`` is called inside ``no_sync``.
     """
 
@@ -130,8 +134,11 @@ class Muon(torch.optim.Optimizer):
 
         muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                           adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
-        adamw_hyper = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        adamw_hyper = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         _check_adamw_hyperparameters(adamw_hyper)  # torch.optim.AdamW lets inf through
+        adamw_hyper["betas"] = tuple(adamw_betas)
+        self._adamw_dtypes = {p.dtype for p in others}
+        _check_adamw_eps_fits(adamw_eps, self._adamw_dtypes)
         # The inner optimizers check the hyperparameters (and accept an empty list).
         self._muon = single_device.Muon([{"params": self._owned}], **muon_hyper)
         self._adamw = torch.optim.AdamW([{"params": others}], **adamw_hyper)
@@ -162,6 +169,7 @@ class Muon(torch.optim.Optimizer):
         adamw_values = {k: self.adamw_group[k] for k in ADAMW_KEYS}
         single_device.check_hyperparameters(muon_values)
         _check_adamw_hyperparameters(adamw_values)
+        _check_adamw_eps_fits(adamw_values["eps"], self._adamw_dtypes)
         inner_muon.update(muon_values)
         inner_adamw.update(adamw_values)
 
@@ -184,6 +192,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._push_hyperparameters()
+        self._dmuon.microbatch = 0  # the next forward starts the next window
         # Owners step their masters; no copy a layer used is needed after the last backward.
         self._dmuon.wait_published()
         self._dmuon.release_all()
@@ -248,6 +257,13 @@ class Muon(torch.optim.Optimizer):
 def _check_adamw_hyperparameters(h: dict) -> None:
     """What torch.optim.AdamW checks at construction, checked again at every step (a scheduler or a
     state dict may have changed the group since)."""
+    for key in ("lr", "eps", "weight_decay"):
+        if isinstance(h[key], bool) or not isinstance(h[key], numbers.Real):
+            raise TypeError(f"adamw_{key} must be a number, got {h[key]!r}")
+    betas = h["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas)):
+        raise TypeError(f"adamw_betas must be a pair of numbers, got {betas!r}; (0.9, 0.999) is the default")
     if not 0 <= h["lr"] < math.inf:
         raise ValueError(f"adamw_lr must be >= 0 and finite, got {h['lr']}; 1e-3 is the usual value")
     if not 0 <= h["eps"] < math.inf:
@@ -256,3 +272,16 @@ def _check_adamw_hyperparameters(h: dict) -> None:
         raise ValueError(f"adamw_weight_decay must be >= 0 and finite, got {h['weight_decay']}; use 0 for none")
     if not all(0 <= beta < 1 for beta in h["betas"]):
         raise ValueError(f"adamw_betas must both lie in [0, 1), got {h['betas']}; (0.9, 0.999) is the default")
+
+
+def _check_adamw_eps_fits(eps: float, dtypes: set[torch.dtype]) -> None:
+    """AdamW divides by sqrt(v) + eps in its parameters' dtype: an eps that rounds to 0 there (1e-8 in
+    float16) gives 0 / 0 = NaN wherever a gradient's square underflows, and NaN weights after one step."""
+    for dtype in sorted(dtypes, key=str):
+        if eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
+            raise ValueError(
+                f"adamw_eps={eps} rounds to 0 in {dtype}, the dtype of AdamW parameters of this model, so AdamW "
+                "would write NaN into them. Keep the parameters in float32 and compute in lower precision with "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), or pass an adamw_eps that "
+                f"{dtype} can hold (at least {torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps:.1e})"
+            )

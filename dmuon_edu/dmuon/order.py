@@ -77,7 +77,8 @@ class CollectiveOrder:
                 f"but rank {first_rank} ran {first}. Every rank must run the same layers with dedicated matrices, "
                 "in the same order, in every forward and backward: a branch that skips or repeats a layer on some "
                 "ranks pairs one layer's collective with another's. Run every layer on every rank (to skip one, "
-                "mask its output instead)"
+                "mask its output instead), and, accumulating, the same number of micro-batches per optimizer step "
+                "on every rank, all but the last inside no_sync"
             )
             self.store.compare_set(f"{self.key}/diverged", "", message)
             raise RuntimeError(message)

@@ -48,12 +48,11 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
         ``{name: owner rank}``, listing the names in the order they were given.
 
     Raises:
-        ValueError: ``world_size`` is not an int >= 1, or a shape is not 2-D.
+        TypeError: ``shapes`` is not a mapping of names to shapes.
+        ValueError: ``world_size`` is not an int >= 1, or a shape is not two ints >= 0.
     """
     _require_world_size(world_size)
-    for name, shape in shapes.items():
-        if len(shape) != 2:
-            raise ValueError(f"{name} has shape {tuple(shape)}: only 2-D matrices have owners")
+    _require_shapes(shapes)
 
     load = [0] * world_size
     per_layer: dict[str, Counter] = defaultdict(Counter)
@@ -75,15 +74,38 @@ def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], wo
         A float >= 1.0; 1.0 is a perfect balance (and so is no work at all).
 
     Raises:
-        ValueError: ``world_size`` is not an int >= 1, or an owner lies outside it.
+        TypeError: ``owners`` or ``shapes`` is not a mapping, or an owner is not an int.
+        ValueError: ``world_size`` is not an int >= 1, an owner lies outside it, a matrix has
+            no shape, or a shape is not two ints >= 0.
     """
     _require_world_size(world_size)
+    _require_shapes(shapes)
+    if not isinstance(owners, Mapping):
+        raise TypeError(f"owners must be a dict {{name: rank}}, as plan_owners returns, got {type(owners).__name__}")
     load = [0] * world_size
     for name, rank in owners.items():
+        if name not in shapes:
+            raise ValueError(f"{name} has an owner but no shape: pass the shapes the plan was made from")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"the owner of {name} must be an int rank, got {rank!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"{name} is owned by rank {rank}, outside 0..{world_size - 1}: pass the world size the plan was made for")
         load[rank] += ns_cost(shapes[name])
     return max(load) / (sum(load) / world_size) if sum(load) else 1.0
+
+
+def _require_shapes(shapes) -> None:
+    if not isinstance(shapes, Mapping):
+        raise TypeError(f"shapes must be a dict {{name: (m, n)}}, e.g. {{n: tuple(p.shape) for n, p in "
+                        f"model.named_parameters()}}, got {type(shapes).__name__}")
+    for name, shape in shapes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"the names in shapes must be parameter names (strings), got {name!r}")
+        if not isinstance(shape, Sequence) or isinstance(shape, str) or len(shape) != 2:
+            shown = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else repr(shape)
+            raise ValueError(f"{name} has shape {shown}: only 2-D matrices have owners, pass (m, n)")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"{name} has shape {tuple(shape)}: a shape is two ints >= 0, such as tuple(p.shape)")
 
 
 def _require_world_size(world_size) -> None:

@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon_edu.arguments import describe
+
 from .dedicate import DMuonState, state_of
 from .optim import Muon
 
@@ -171,17 +173,25 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
 
     Raises:
         RuntimeError: with ``strict``, the keys differ from the model's.
-        ValueError: the model has no dedicated parameters, or ``options`` asks for
-            something unsupported.
+        TypeError: ``model_state_dict`` is not a dict of tensors.
+        ValueError: the model has no dedicated parameters, ``options`` asks for
+            something unsupported, or a tensor's shape is not the model's. Nothing is
+            loaded then.
     """
     options, _ = _options(options)
     state = state_of(model)
+    if not isinstance(model_state_dict, dict):
+        raise TypeError(f"model_state_dict must be a dict {{name: tensor}}, as dmuon.get_model_state_dict returns, "
+                        f"got {describe(model_state_dict)}")
     state.wait_published()  # or a publish still on its way would overwrite the loaded values
     targets = model.state_dict(keep_vars=True)  # the parameters themselves: no read of a placeholder
     missing = [k for k in targets if k not in model_state_dict]
     unexpected = [k for k in model_state_dict if k not in targets]
     if options.strict and (missing or unexpected):
         raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    for name, target in targets.items():  # every value checked before the first copy
+        if name in model_state_dict:
+            _require_tensor_like(model_state_dict[name], target.shape, name)
     for name, target in targets.items():
         if name not in model_state_dict:
             continue
@@ -243,19 +253,26 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
     every rank takes its AdamW shards; both groups take the saved hyperparameters.
 
     Raises:
-        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
+        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``, or
+            ``optim_state_dict`` is not an optimizer state dict.
+        ValueError: a momentum buffer holds NaN or Inf, or a state tensor's shape is not
+            its parameter's. Nothing is loaded then.
         RuntimeError: with ``strict`` (the default), a parameter's state is missing.
     """
     options, _ = _options(options)
     state = state_of(model)
     _check_optimizer(optimizer, state)
+    if not (isinstance(optim_state_dict, dict) and isinstance(optim_state_dict.get("state"), dict)
+            and isinstance(optim_state_dict.get("param_groups"), list)):
+        raise TypeError("optim_state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' "
+                        f"and 'param_groups', got {describe(optim_state_dict)}")
     names = _names(model)
     saved = optim_state_dict["state"]
     expected = [names[p] for group in optimizer.param_groups for p in group["params"]]
     missing = [n for n in expected if n not in saved]
     if missing and options.strict:
         raise RuntimeError(f"optimizer state dict lacks the state of {missing}")
-    for name in state.params:  # full tensors, the same on every rank: every rank refuses alike, before any copy
+    for name, p in state.params.items():  # full tensors, the same on every rank: every rank refuses alike, before any copy
         buffer = saved.get(name, {}).get("momentum_buffer")
         if isinstance(buffer, torch.Tensor) and not bool(buffer.isfinite().all()):
             raise ValueError(
@@ -263,6 +280,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
                 "of it would be NaN. Load a checkpoint from before the divergence, or leave the optimizer state out "
                 "(momentum restarts from zero)"
             )
+        if name in saved:
+            _require_tensor_like(buffer, p._dmuon_shape, f"the momentum buffer of {name}")
+    for p in optimizer.adamw_group["params"]:
+        for key, target in optimizer._adamw.state[p].items():
+            if names[p] in saved:
+                _require_tensor_like(saved[names[p]].get(key), target.shape, f"the {key} of {names[p]}")
     for name, p in state.params.items():
         if name in saved and state.runs_muon(p):
             _copy_into(optimizer._muon.state[p]["momentum_buffer"], saved[name]["momentum_buffer"])
@@ -272,6 +295,16 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
                 _copy_into(target, saved[names[p]][key])
     for group, saved_group in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _require_tensor_like(value, shape: torch.Size, where: str) -> None:
+    """Refuse, before anything is loaded, a state dict entry that is no tensor or has another shape."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} in the state dict is {describe(value)}, not a tensor; nothing was loaded")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where} in the state dict has shape {tuple(value.shape)}, but the model's has shape "
+                         f"{tuple(shape)}: the state dict is another model's, and nothing was loaded. Load it into "
+                         "a model built as the saved one was")
 
 
 def _check_optimizer(optimizer, state: DMuonState) -> None:

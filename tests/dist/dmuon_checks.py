@@ -492,13 +492,13 @@ def check_schedule(mesh):
 
 def check_divergence():
     """A rank that skips a layer: in Z3 the forward's broadcasts diverge, in Z2 (resident) the
-    backward's reduces. Every rank raises, naming the layers and the ranks."""
+    backward's reduces. Every rank raises, naming the layers and the ranks. Then ranks with windows
+    of different lengths, and a rank that stops answering in a reduce."""
     rank, world = dist.get_rank(), dist.get_world_size()
     outcome = {}
     for zero3, dropped_in in ((True, 0), (False, 1)):
-        # A group of its own with a short timeout: the rank that did not detect it waits that long.
-        short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
-        model, opt = build(short, zero3)
+        # The rank that did not detect it waits until the short timeout.
+        model, opt = build(short_timeout_mesh(), zero3)
         mine, _, total = window(0, rank, world)
 
         def train():
@@ -509,7 +509,63 @@ def check_divergence():
 
         outcome["z3" if zero3 else "z2"] = error_of(train)
         distributed.barrier()
+    outcome["uneven_windows"] = uneven_windows(rank)
+    outcome["silent_in_reduce"] = silent_in_reduce(rank)
     report("divergence", **per_rank_outcomes(outcome))
+
+
+def short_timeout_mesh():
+    """A mesh over a group of its own with a 3 s timeout, for a check where one rank waits for another that
+    never comes: the group is broken afterwards, and the job goes on on the default group."""
+    return DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+
+
+def uneven_windows(rank):
+    """Rank 0 ends its window after 2 micro-batches, rank 1 after 3 (all but the last inside no_sync):
+    both raise at the second micro-batch's first forward, naming it on both sides."""
+    model, _ = build(short_timeout_mesh(), zero3=True)
+    mine, _, _ = window(0, rank, dist.get_world_size())
+    counts = 2 if rank == 0 else 3
+
+    def train():
+        for j, (x, y) in enumerate(mine[:counts]):
+            with dmuon.no_sync(model) if j < counts - 1 else contextlib.nullcontext():
+                F.mse_loss(model(x), y).backward()
+
+    error = error_of(train)
+    distributed.barrier()
+    return error
+
+
+def silent_in_reduce(rank):
+    """Rank 1 stops answering in its backward, after some of its reduces are issued; rank 0's error is what
+    the launcher must name as a collective timeout, with rank 1 as the silent one. Rank 1 then leaves the
+    broken group alone (its backward ends with an exception of its own)."""
+    model, _ = build(short_timeout_mesh(), zero3=True)
+    mine, _, _ = window(0, rank, dist.get_world_size())
+    store, key = dist.distributed_c10d._get_default_store(), "silent_in_reduce/rank0_done"
+
+    def stop_answering(_):
+        if rank == 1:
+            store.wait([key], datetime.timedelta(seconds=60))
+            raise SilentRankStopped()
+
+    model.layers[0].down_proj.weight.register_post_accumulate_grad_hook(stop_answering)
+    error = None
+    try:
+        F.mse_loss(model(mine[0][0]), mine[0][1]).backward()
+    except SilentRankStopped:
+        pass
+    except RuntimeError as raised:
+        error = f"{type(raised).__name__}: {raised}"
+    if rank == 0:
+        store.set(key, "1")
+    distributed.barrier()
+    return error
+
+
+class SilentRankStopped(Exception):
+    """How the silent rank of silent_in_reduce leaves its backward."""
 
 
 def per_rank_outcomes(outcome):
