@@ -233,6 +233,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | str = "auto",
     overwrite_input: bool = False,
+    gram_space: bool = True,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Approximately orthogonalise G: one matrix (m, n), or a batch of same-shape matrices.
 
@@ -252,6 +253,8 @@ def newton_schulz(
         overwrite_input: allow G to be overwritten (normalised in place), which saves a
             temporary of G's size, as scipy.linalg's ``overwrite_a`` does. Muon passes
             its own scratch tensor this way.
+        gram_space: take pairs of steps in Gram space where the shape makes them pay
+            (see GRAM_SPACE_MIN_ASPECT; True, the default), or every step directly.
 
     Returns:
         In ``dtype`` (for ``"auto"``, the dtype chosen): a tensor of G's shape, or a
@@ -259,8 +262,8 @@ def newton_schulz(
 
     Raises:
         TypeError: ``G`` holds something other than floating-point tensors, or
-            ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included) or
-            ``overwrite_input`` has the wrong type.
+            ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included),
+            ``overwrite_input`` or ``gram_space`` has the wrong type.
         ValueError: ``steps < 1``, ``eps`` is negative, a coefficient name is unknown,
             the batch is empty, a matrix is not 2-D, or a batch mixes shapes or devices.
     """
@@ -274,6 +277,8 @@ def newton_schulz(
     per_step = _per_step_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
+    if not isinstance(gram_space, bool):
+        raise TypeError(f"gram_space must be True or False, got {type(gram_space).__name__}")
     single = isinstance(G, torch.Tensor) and G.ndim != 3
     matrices = [G] if single else list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
     _check_matrices(matrices)
@@ -281,11 +286,12 @@ def newton_schulz(
         dtype = fast_dtype(matrices[0].device)
     if single or not batching_pays(matrices[0]):
         shared = None if overwrite_input else torch.empty_like(matrices[0])
-        O = [_iterate(_normalise(g, eps, dtype, g if overwrite_input else shared), per_step) for g in matrices]
+        O = [_iterate(_normalise(g, eps, dtype, g if overwrite_input else shared), per_step, gram_space)
+             for g in matrices]
         return O[0] if single else torch.stack(O) if isinstance(G, torch.Tensor) else O
     batch = G if isinstance(G, torch.Tensor) else torch.stack(matrices)
     in_place = overwrite_input or batch is not G  # a stacked copy is ours to overwrite
-    O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step)
+    O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step, gram_space)
     return O if isinstance(G, torch.Tensor) else list(O)
 
 
@@ -338,12 +344,12 @@ def _check_matrices(matrices: list) -> None:
         raise ValueError(f"a batch must hold matrices of one shape on one device, got {sorted(map(str, shapes))}")
 
 
-def _iterate(X: torch.Tensor, per_step: list[Coefficients]) -> torch.Tensor:
+def _iterate(X: torch.Tensor, per_step: list[Coefficients], gram_space: bool = True) -> torch.Tensor:
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT  # a view: the products read it transposed, with no copy
     m, n = X.shape[-2:]
-    use_gram_space = m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m
+    use_gram_space = gram_space and m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m
     k = 0
     while k < len(per_step):
         if use_gram_space and len(per_step) - k >= 3:  # pairs, but keep the last step direct
