@@ -110,6 +110,17 @@ YOU: tuple[Coefficients, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
+# Amsel, Persson, Musco and Gower, "The Polar Express" (arXiv:2505.16932), Algorithm 1: the first five of
+# its tuples as printed. Every published set folds a safety factor into them: modded-nanogpt's below, the
+# public dmuon project's (dmuon.POLAR_EXPRESS_COEFFICIENTS, at x / 1.05), the paper's own code's.
+POLAR_EXPRESS_PAPER: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+)
+
 POLAR_EXPRESS_AS_PUBLISHED: tuple[Coefficients, ...] = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),

@@ -127,7 +127,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
             "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
             "which runs outside no_sync"
         )
-    scaled, counted = _gradients(state, model)
+    scaled, counted = _gradients(state, model, optimizer)
     total = _global_norm(state, counted, float(norm_type), foreach)
     found_inf = ~total.isfinite()
     if error_if_nonfinite and bool(found_inf):
@@ -149,10 +149,13 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
     return stats
 
 
-def _gradients(state: DMuonState, model: nn.Module | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(the local gradient tensors to scale, those to count in the norm): each gradient counts once over ranks."""
+def _gradients(state: DMuonState, model: nn.Module | None,
+               optimizer: torch.optim.Optimizer | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the local gradient tensors to scale, those to count in the norm): each gradient counts once over ranks.
+    The model form takes every gradient; the optimizer form the matrices of its Muon groups."""
+    on_muon = None if optimizer is None else {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
     dedicated = [p._reduced_grad for p in state.params.values()  # on the one owner of each
-                 if p._reduced_grad is not None and (model is not None or p._dmuon_policy.optimizer == "muon")]
+                 if p._reduced_grad is not None and (on_muon is None or id(p) in on_muon)]
     shards, replicated = [], []
     for p in model.parameters() if model is not None else ():
         if p not in state.name_of and p.grad is not None:

@@ -6,7 +6,9 @@ is a unit (the hook boundary of a layer, boundary.py), an *owner bucket* its mat
 one owner. Bytes are planned as dmuon sends them: a matrix's broadcast in its compute
 dtype (``bytes``), its gradient's reduce in its wire dtype (``reduce_bytes``), so that
 one optimizer step of Z2 with no_sync moves, as count_comm counts it, the sum of
-``bytes`` in broadcasts and of ``reduce_bytes`` in reduces (Z3 broadcasts 2k times).
+``bytes`` in broadcasts and of ``reduce_bytes`` in reduces (Z3 broadcasts 2k times). A
+comm plan row's ``route`` is the matrix's policy's; ``summarize_param_groups`` reports
+the optimizer's, which a group's ``dmuon_route`` may have changed.
 The ring figures are the public project's estimates: 2 (N - 1) / N of a payload per rank.
 :func:`format_summary` prints either summary as text tables.
 """

@@ -28,22 +28,14 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon_edu.newton_schulz import YOU, newton_schulz
+from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, newton_schulz
 
 __all__ = ["NewtonSchulz", "POLAR_EXPRESS_COEFFICIENTS", "YOU_COEFFICIENTS", "as_backend"]
 
-# Amsel, Persson, Musco and Gower, "The Polar Express" (2025, arXiv:2505.16932): its five tuples as the paper
-# lists them, then scaled by a 1.05 safety factor, p(x / 1.05): the public dmuon project's POLAR_EXPRESS_COEFFICIENTS.
-_PAPER_POLAR_EXPRESS = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-)
+# The public dmuon project's POLAR_EXPRESS_COEFFICIENTS: the Polar Express paper's five tuples, each scaled by a
+# 1.05 safety factor, p(x / 1.05).
 SAFETY_FACTOR = 1.05
-POLAR_EXPRESS_COEFFICIENTS = [(a / SAFETY_FACTOR, b / SAFETY_FACTOR**3, c / SAFETY_FACTOR**5)
-                              for a, b, c in _PAPER_POLAR_EXPRESS]
+POLAR_EXPRESS_COEFFICIENTS = [_fold_input_margin(t, SAFETY_FACTOR) for t in POLAR_EXPRESS_PAPER]
 YOU_COEFFICIENTS = [list(t) for t in YOU]  # Jiacheng You's five tuples, as the public project lists them
 
 KERNELS = ("auto", "cublas")  # torch's matmul; the public project's SYRK kernels are absent

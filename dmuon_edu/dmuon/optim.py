@@ -334,7 +334,10 @@ class Muon(torch.optim.Optimizer):
                     (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
                     + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
                 )
-        state.order.step_checked()
+        # The replicate axis's events (HSDP) follow from the shard axis's: they are checked with them.
+        for order in (state.order, state.replicate_order):
+            if order is not None:
+                order.step_checked()
         if bool(agreed[1]) and not state.clipped:
             warnings.warn(
                 "the FSDP2 gradients were scaled after the backward, but not the dedicated (Muon) ones: "
