@@ -311,7 +311,11 @@ class DMuonState:
         if self.reshard_after_forward:
             self.release_all()
         if not self.in_no_sync:
-            self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
+            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
+            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self._sample_after_backward))
+
+    def _sample_after_backward(self) -> None:
+        self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
