@@ -310,12 +310,6 @@ class DMuonState:
         self.end_of_backward_queued = False
         if self.reshard_after_forward:
             self.release_all()
-        if not self.in_no_sync:
-            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
-            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self._sample_after_backward))
-
-    def _sample_after_backward(self) -> None:
-        self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
@@ -340,6 +334,12 @@ class DMuonState:
             if sent.replica == self.replica:
                 self._add_reduced(sent)
         self.reducing.clear()
+        if not self.in_no_sync:
+            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
+            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self._sample_after_backward))
+
+    def _sample_after_backward(self) -> None:
+        self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
 
     @torch.no_grad()
     def sample_symmetric_gradients(self) -> torch.Tensor | None:

@@ -322,6 +322,7 @@ class Muon(torch.optim.Optimizer):
         before, now = state.symmetric_sample, state.sample_symmetric_gradients()
         agreed[1] = (before is not None and now is not None and before.shape == now.shape
                      and (before != now).any())
+        state.symmetric_sample = None  # the next backward takes its own
         everyone = state.everyone
         if dist.get_world_size(everyone) > 1:
             event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag")
