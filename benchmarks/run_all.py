@@ -12,8 +12,9 @@ Each row sets a measured number beside what it is judged against, both from this
 - a full training step (4 micro-batches, then the optimizer step) of dmuon Z2, Z3 and Z3
   without prefetch, and of DDP with replicated Muon, against FSDP2 + AdamW on 2 and 4
   ranks (bench_step.measure);
-- a dmuon training step with its collective-order check against the same step with the
-  check replaced by a no-op (order_check.measure);
+- the time a dmuon training step spends in its collective-order check, order_check
+  "strict" (a store round trip per event) and "per_step" (the default), against the
+  step's time, on 2 and 4 ranks (order_check.measure);
 - communication per optimizer step, counted by count_comm in the capstone's dmuon runs,
   against the published formulas: 2(N-1)/N P_M (Z2) and 3(N-1)/N P_M (Z3) for one
   micro-batch per step, and one reduce per window with no_sync. count_comm counts every
@@ -132,10 +133,13 @@ def training_step_rows() -> list[str]:
 
 def order_check_rows() -> list[str]:
     rows = []
-    for line in order_check.measure():
-        _, mode, events, with_check, without, ratio, _ = (cell.strip() for cell in line.split("|"))
-        rows.append(row(f"dmuon training step with its collective-order check ({events} events), {mode}, 2 ranks",
-                        f"checked {with_check} ms", f"unchecked {without} ms", float(ratio)))
+    for nproc in (2, 4):
+        for line in order_check.measure(nproc):
+            _, world, mode, check, events, trips, spent, step, share, _ = (cell.strip() for cell in line.split("|"))
+            if check != "off":
+                rows.append(row(f"dmuon order check per training step, order_check={check!r} ({events.split()[0]} "
+                                f"events, {trips} store round trips), {mode}, {world} ranks", f"{spent} ms in the check",
+                                f"the step {step} ms", float(share)))
     return rows
 
 

@@ -252,8 +252,12 @@ class Muon(torch.optim.Optimizer):
                 self._step_same_shape(params, group)
         return loss
 
+    def _orthogonaliser(self, group: dict):
+        """``f(U, overwrite_input=...)``: the Newton-Schulz call for ``group``'s updates."""
+        return partial(newton_schulz, steps=group["ns_steps"], dtype=group["ns_dtype"])
+
     def _step_same_shape(self, params: list[torch.Tensor], group: dict) -> None:
-        orthogonalise = partial(newton_schulz, steps=group["ns_steps"], dtype=group["ns_dtype"])
+        orthogonalise = self._orthogonaliser(group)
         if not batching_pays(params[0]):
             # Large matrices on CPU go one at a time, as in torch.optim.Muon, but through
             # one reused scratch tensor: each gradient is checked, turned into an update

@@ -120,6 +120,17 @@ YOU: tuple[Coefficients, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
+# Amsel, Persson, Musco and Gower, "The Polar Express" (arXiv:2505.16932), Algorithm 1: the first five of
+# its tuples as printed. Every published set folds a safety factor into them: modded-nanogpt's below, the
+# public dmuon project's (dmuon.POLAR_EXPRESS_COEFFICIENTS, at x / 1.05), the paper's own code's.
+POLAR_EXPRESS_PAPER: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+)
+
 POLAR_EXPRESS_AS_PUBLISHED: tuple[Coefficients, ...] = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -244,6 +255,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | str = "auto",
     overwrite_input: bool = False,
+    gram_space: bool = True,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Approximately orthogonalise G: one matrix (m, n), or a batch of same-shape matrices.
 
@@ -264,6 +276,8 @@ def newton_schulz(
             temporary of G's size, as scipy.linalg's ``overwrite_a`` does. Muon passes
             its own scratch tensor this way. G's entries must not share memory (an
             ``expand()``-ed view cannot be written into).
+        gram_space: take pairs of steps in Gram space where the shape makes them pay
+            (see GRAM_SPACE_MIN_ASPECT; True, the default), or every step directly.
 
     Newton-Schulz is not differentiated through: G may require grad (a Parameter, say),
     and the result never does. A matrix on the meta device gives a meta result of the
@@ -275,8 +289,8 @@ def newton_schulz(
 
     Raises:
         TypeError: ``G`` holds something other than floating-point tensors, or
-            ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included) or
-            ``overwrite_input`` has the wrong type.
+            ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included),
+            ``overwrite_input`` or ``gram_space`` has the wrong type.
         ValueError: ``steps`` is not between 1 and MAX_STEPS, ``eps`` is negative or not
             finite, a coefficient is not finite, a coefficient name is unknown, the batch is
             empty, a matrix is not 2-D, a batch mixes shapes or devices, or
@@ -289,6 +303,8 @@ def newton_schulz(
     per_step = _per_step_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
+    if not isinstance(gram_space, bool):
+        raise TypeError(f"gram_space must be True or False, got {type(gram_space).__name__}")
     single = isinstance(G, torch.Tensor) and G.ndim != 3
     matrices = [G] if single else list(G) if isinstance(G, (torch.Tensor, Sequence)) else [G]
     _check_matrices(matrices)
@@ -301,11 +317,12 @@ def newton_schulz(
         dtype = fast_dtype(matrices[0].device)
     if single or not batching_pays(matrices[0]):
         shared = None if overwrite_input else torch.empty_like(matrices[0])
-        O = [_iterate(_normalise(g, eps, dtype, g if overwrite_input else shared), per_step) for g in matrices]
+        O = [_iterate(_normalise(g, eps, dtype, g if overwrite_input else shared), per_step, gram_space)
+             for g in matrices]
         return O[0] if single else torch.stack(O) if isinstance(G, torch.Tensor) else O
     batch = G if isinstance(G, torch.Tensor) else torch.stack(matrices)
     in_place = overwrite_input or batch is not G  # a stacked copy is ours to overwrite
-    O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step)
+    O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step, gram_space)
     return O if isinstance(G, torch.Tensor) else list(O)
 
 
@@ -377,12 +394,12 @@ def _check_matrices(matrices: list) -> None:
         raise ValueError(f"a batch must hold matrices of one shape on one device, got {sorted(map(str, shapes))}")
 
 
-def _iterate(X: torch.Tensor, per_step: list[Coefficients]) -> torch.Tensor:
+def _iterate(X: torch.Tensor, per_step: list[Coefficients], gram_space: bool = True) -> torch.Tensor:
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT  # a view: the products read it transposed, with no copy
     m, n = X.shape[-2:]
-    use_gram_space = m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m
+    use_gram_space = gram_space and m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m
     k = 0
     while k < len(per_step):
         if use_gram_space and len(per_step) - k >= 3:  # pairs, but keep the last step direct

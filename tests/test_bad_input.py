@@ -468,7 +468,7 @@ CASES = [
      ValueError, "adamw_eps=1e-08 rounds to 0 in torch.float16, the dtype of AdamW parameters of this model, so AdamW "
      "would write NaN into them. Keep the parameters in float32"),
     ("dmuon.set_model_state_dict/none", lambda mesh: dmuon.set_model_state_dict(dedicated(mesh), None), TypeError,
-     "model_state_dict must be a dict {name: tensor}, as dmuon.get_model_state_dict returns, got None"),
+     "state_dict must be a dict {name: tensor}, as dmuon.get_model_state_dict returns, got None"),
     ("dmuon.set_model_state_dict/entry_of_another_shape",
      lambda mesh: dmuon_model_state_dict_with(mesh, "layers.1.up_proj.weight", torch.zeros(3, 3)), ValueError,
      "layers.1.up_proj.weight in the state dict has shape (3, 3), but the model's has shape (4, 4): the state dict is "
@@ -477,7 +477,7 @@ CASES = [
      lambda mesh: dmuon_model_state_dict_with(mesh, "layers.0.norm.bias", [0.0] * 4), TypeError,
      "layers.0.norm.bias in the state dict is a list of length 4, not a tensor; nothing was loaded"),
     ("dmuon.set_optimizer_state_dict/the_models_state_dict", dmuon_optimizer_given_the_models_state_dict, TypeError,
-     "optim_state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' and 'param_groups'"),
+     "state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' and 'param_groups'"),
     ("dmuon.set_optimizer_state_dict/momentum_of_another_shape", lambda mesh: dmuon_momentum_of_shape(mesh, (3, 3)),
      ValueError, "the momentum buffer of layers.0.up_proj.weight in the state dict has shape (3, 3), but the model's "
      "has shape (4, 4)"),

@@ -2,7 +2,8 @@
 
 Three torchrun launches in all (each costs seconds before any work): the checks script
 on 2 and on 4 ranks, and the accumulation guide's loop on 2 ranks. Each launch runs many checks and
-rank 0 prints one ``CHECK {json}`` line per check; the tests below assert on them.
+rank 0 writes one JSON record per check into a file (tests/dist/check_channel.py); the tests below
+assert on them.
 Everything else runs in this process, with a one-rank gloo group where it needs one.
 
 Tolerance of the equivalence checks: dmuon on W ranks against one process training on
@@ -21,10 +22,15 @@ off: cuBLAS and the CPU's BLAS sum float32 products in other orders, which is th
 
 import json
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import Tiny
+import dist.check_channel as check_channel
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,12 +66,11 @@ def checks(request, tmp_path_factory):
     except RuntimeError as error:  # another torch (e.g. a GPU machine's own build): say why, do not crash
         pytest.skip(str(error))
     marks = tmp_path_factory.mktemp(f"atexit{nproc}")
-    result = torchrun(DIST / "dmuon_checks.py", nproc=nproc, args=[tmp_path_factory.mktemp(f"ckpt{nproc}"), marks],
-                      timeout=300, echo=False)
-    lines = [json.loads(line[len("CHECK "):]) for line in result.stdout(0).splitlines() if line.startswith("CHECK ")]
-    assert "ALL CHECKS RAN" in result.stdout(0)
+    records = tmp_path_factory.mktemp(f"checks{nproc}") / "checks.jsonl"
+    torchrun(DIST / "dmuon_checks.py", nproc=nproc, args=[tmp_path_factory.mktemp(f"ckpt{nproc}"), marks],
+             timeout=300, echo=False, env={check_channel.ENV: str(records)})
     return {"atexit_marks": sorted(path.name for path in marks.iterdir()), "nproc": nproc,
-            **{c["name"]: c for c in lines}}
+            **check_channel.read(records)}
 
 
 def test_a_users_atexit_handler_runs_on_every_rank_after_a_session(checks):
@@ -99,9 +104,12 @@ def test_matches_single_process_full_batch(checks, config):
 def test_communication_is_as_designed(checks, config):
     c = real_use(checks, f"comm_{config}")
     k, p_m = c["k"], c["dedicated_bytes"]
-    for per_rank in c["per_rank"]:  # every rank counts every call, with the whole tensor's bytes
+    for per_rank, plan in zip(c["per_rank"], c["plan"]):  # every rank counts every call, with the whole tensor's bytes
         assert per_rank["reduce"] == (p_m if c["no_sync"] else k * p_m), c
         assert per_rank["broadcast"] == (2 * k * p_m if c["zero3"] else p_m), c
+        # dmuon.summarize_comm_plan plans what count_comm then counts: one broadcast and one reduce of each
+        # matrix per pass of the window (rank-local facts, the same on every rank of a 1-D mesh here)
+        assert plan["broadcast_tensor_bytes"] == plan["stage1_shard_reduce_tensor_bytes"] == p_m, c
 
 
 def test_each_layer_broadcasts_ahead_of_its_use_and_reduces_once_per_owner(checks):
@@ -431,7 +439,7 @@ def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, m
     # Two ranks' checkers in one process, on one store key, as two ranks would be.
     from dmuon_edu.dmuon import order
     monkeypatch.setattr(order, "SLOTS", 3)
-    first, second = order.CollectiveOrder("test/order", 0), order.CollectiveOrder("test/order", 1)
+    first, second = (order.CollectiveOrder("test/order", rank, [0, 1]) for rank in (0, 1))
     for n in range(7):  # more collectives than slots: stale slots are taken over, never mistaken
         for checker in (first, second):
             with checker.collective(f"the broadcast of layers.{n}"):
@@ -482,3 +490,224 @@ def test_per_block_torch_compile_equals_eager_and_does_not_recompile(checks):
     assert c["max_abs_diff"] < TOLERANCE, c
     # warm-up is two steps (the first one also initialises FSDP2 and the optimizer state); then no new graph
     assert c["graphs_after_each_step"][0] > 0 and len(set(c["graphs_after_each_step"][1:])) == 1, c
+
+
+# --------------------------------------------- the public API: hook boundaries, groups, policies, diagnostics
+def test_mha_trains_in_z3_and_z2_with_a_hook_boundary_predicate(checks):
+    # nn.MultiheadAttention at the root reads out_proj.weight without calling out_proj; its module is the hook
+    # boundary. Against one process: the same float32 reordering as the other equivalence checks.
+    c = real_use(checks, "hook_boundaries")
+    for mode in ("z3", "z2"):
+        assert c[mode]["max_abs_diff"] < TOLERANCE and c[mode]["largest_change"] > 1000 * TOLERANCE, c
+        assert c[mode]["units"] == ["pool"] and c[mode]["storage_ok"], c
+
+
+def test_without_a_hook_boundary_the_read_in_forward_is_refused_naming_the_fix(checks):
+    c = real_use(checks, "hook_boundaries")
+    refused = [m for m in c["without_boundary"] if m is not None]
+    assert refused and all("hook_boundary_predicate" in m and "MultiheadAttention" in m for m in refused), c
+    assert all(m and "hook_boundary_predicate matched no module" in m for m in c["strict"]), c  # on every rank
+    assert c["resolver_units"] == ["pool"], c
+
+
+def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(checks):
+    # It gets no gradient hook; it used to stay on the non-owner from its first backward until step().
+    c = real_use(checks, "frozen")
+    assert c["looked"] == 6 and c["layer2_held_in_layer0_backward"] == [False] * c["nproc"], c
+    assert c["frozen_change"] == 0.0 and c["storage_ok"], c
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+
+
+def test_param_groups_and_policy_routes_train_like_one_process_and_resume(checks):
+    # Two semantic groups (no weight decay for 1-D parameters; other learning rates for matrices), one matrix
+    # routed to AdamW on its owner, one to sharded AdamW (left to fully_shard): against one process with the
+    # same groups. AdamW on a whole matrix and on its shards is the same elementwise arithmetic.
+    c = real_use(checks, "param_groups")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], c
+    assert c["kinds"] == {"layers.0.q_proj.weight": "dtensor", "layers.0.k_proj.weight": "dedicated"}, c
+    assert c["exp_avg_saved"] and c["continued_max_diff"] == 0.0, c
+
+
+def test_param_groups_and_policies_refuse_by_name(checks):
+    r = real_use(checks, "param_groups")["refusals"]
+    assert all(m and "unknown key(s) ['betas']" in m and "adamw_betas" in m for m in r["unknown_key"]), r
+    assert all(m and "leaves out" in m and "layers.0.k_proj.weight" in m for m in r["left_out"]), r
+    assert all(m and "output_dtype" in m and "MixedPrecisionPolicy" in m for m in r["output_dtype"]), r
+    assert all(m and "master_dtype=torch.bfloat16" in m for m in r["master_dtype"]), r
+
+
+def test_ns_backend_with_the_public_polar_express_coefficients_matches_one_process(checks):
+    c = real_use(checks, "ns_backend")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    # the coefficients do reach the update: the Jordan reference ends 600 x TOLERANCE away
+    assert c["differs_from_jordan"] > 100 * TOLERANCE, c
+
+
+PUBLIC_SUMMARY_KEYS = ["available", "dedicated_param_count", "groups", "num_groups", "owned_dedicated_param_count",
+                       "parameters", "parameters_truncated"]
+PUBLIC_GROUP_KEYS = ["adamw_param_count", "dedicated_adamw_param_count", "dedicated_muon_param_count",
+                     "dedicated_param_count", "group_index", "group_name", "optimizer_param_count",
+                     "owned_dedicated_param_count", "route_param_counts", "semantic_group_name", "subgroup_type",
+                     "use_muon"]
+PUBLIC_ROW_KEYS = ["cast_forward_inputs", "grad_dtype", "group_index", "group_name", "is_dtensor", "is_owner",
+                   "master_dtype", "matched_policy_overrides", "name", "numel", "optim_dtype", "output_dtype",
+                   "owner_rank", "param_dtype", "param_name", "route", "shape", "uses_sharded_adamw"]
+PUBLIC_PLAN_KEYS = ["available", "group_count", "groups", "groups_truncated", "totals"]
+PUBLIC_PLAN_GROUP_KEYS = ["debug_name", "group_index", "owner_bucket_bytes", "owner_bucket_bytes_in_order",
+                          "owner_bucket_count", "owner_buckets", "param_collectives", "param_collectives_truncated",
+                          "param_count", "replicate_rank", "shard_rank"]
+PUBLIC_PLAN_TOTALS = ["dedicated_local_bytes", "max_owner_bucket_bytes", "owner_update_ring_bytes_per_rank",
+                      "post_step_replicate_broadcast_tensor_bytes_this_rank", "same_payload_allreduce_ring_bytes_per_rank",
+                      "stage1_shard_reduce_ring_bytes_per_rank", "stage1_shard_reduce_tensor_bytes",
+                      "stage2_replicate_reduce_tensor_bytes_this_rank"]
+
+
+def test_the_summaries_have_the_public_keys_and_this_ranks_facts(checks):
+    c = real_use(checks, "param_groups")
+    summaries = c["summaries"]
+    for s in summaries:
+        assert s["keys"] == PUBLIC_SUMMARY_KEYS and s["group_keys"] == PUBLIC_GROUP_KEYS, s
+        assert set(PUBLIC_ROW_KEYS) <= set(s["row_keys"]) and s["plan_keys"] == PUBLIC_PLAN_KEYS, s
+        assert set(PUBLIC_PLAN_GROUP_KEYS) == set(s["plan_group_keys"]) and set(PUBLIC_PLAN_TOTALS) <= set(s["plan_total_keys"])
+        assert s["routes"]["layers.0.k_proj.weight"] == "adamw" and s["text_names_everything"], s
+    # each dedicated matrix is owned on exactly one rank (the counts are rank-local)
+    assert sum(s["owned"] for s in summaries) == summaries[0]["dedicated"] == 11, summaries
+
+
+def test_clip_grad_norm_returns_the_public_statistics_and_measures_only_with_none(checks):
+    c = real_use(checks, "public_api")
+    for s in c["stats"]:  # every rank
+        assert s["fields"] == ["clip_coef", "clipped", "found_inf", "max_norm", "norm_type", "param_count",
+                               "strategy", "total_norm"], s
+        assert s["max_norm"] is None and s["clip_coef"] == 1.0 and s["clipped"] is False and s["unchanged"], s
+        assert s["param_count"] == s["owned_muon"] and s["found_inf"] is False and s["strategy"] == "global_norm"
+        assert s["zero_dim"] and s["kept"], s
+    # the model form with max_norm=None, in the 2-norm and in the max-norm: float32 sums in another order
+    assert c["full_norm_rel_diff"] < 1e-5 and c["inf_norm_rel_diff"] < 1e-5, c
+
+
+def test_compute_dtype_computes_in_bf16_without_a_policy_and_a_disagreement_is_refused(checks):
+    # dedicate_params(model, mesh, predicate, torch.bfloat16, True): the public positional order. Under autocast
+    # the reference casts the same float32 weights to bf16: float32's tolerance after the first step.
+    c = real_use(checks, "compute_dtype_z3")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["forward_dtypes"] == ["torch.bfloat16"] and c["master_dtypes"] == ["torch.float32"], c
+    assert c["broadcast_bytes"] == c["dedicated_bytes_fp32"] // 2 * 2 * c["k"], c
+    assert all(m and "compute_dtype (param_dtype) torch.float16" in m and "torch.bfloat16" in m for m in c["refused"]), c
+
+
+def test_a_checkpoint_with_checkpoint_wrapper_resumes_without_it_and_back_bit_identically(checks):
+    c = real_use(checks, "wrapped_checkpoints")
+    for direction in ("saved_wrapped", "saved_plain"):
+        assert c[direction] == {"wrapper_in_keys": [], "restored_max_diff": 0.0, "continued_max_diff": 0.0}, c
+
+
+def test_torch_clip_of_the_model_parameters_is_partial_and_step_warns_on_every_rank(checks):
+    c = real_use(checks, "partial_clip")
+    assert c["torch"] < 0.9 * c["global"], c  # it saw the FSDP2 gradients only
+    assert all(len(w) == 1 and "dmuon.clip_grad_norm_(model, max_norm)" in w[0] for w in c["warned"]["torch"]), c
+    assert c["warned"]["none"] == c["warned"]["dmuon"] == [[]] * c["nproc"], c
+
+
+def test_the_order_check_per_step_costs_no_round_trip_after_the_first_step_and_still_names_divergences(checks):
+    c = real_use(checks, "order_modes")
+    trips = c["round_trips"]
+    assert trips["after_step_0"] > 0 and trips["after_step_1"] == trips["after_step_0"] and trips["off"] == 0, c
+    # swapped layers, resident in Z2: no collective noticed; step() refuses on every rank, naming both
+    for message in c["step"]:
+        assert message and "refused the step on every rank" in message, c
+        assert "the forward of layers.1" in message and "the forward of layers.2" in message, c
+    # a wait that timed out: the ranks' logs name the first event where they differ
+    for message in c["timeout"]:
+        assert message and "the ranks diverged at their event #" in message and "until the timeout" in message, c
+        assert "a test broadcast of" in message and "from rank 0" in message and "from rank 1" in message, c
+
+
+def test_the_checks_channel_keeps_every_record_whole_with_writers_in_parallel(tmp_path):
+    # The channel's promise: one write per record, so records never interleave, even with several writers.
+    records = tmp_path / "checks.jsonl"
+    writer = ("import sys; sys.path.insert(0, sys.argv[1]); import check_channel; "
+              "[check_channel.report({'name': f'{sys.argv[2]}-{i}', 'payload': 'x' * 5000}) for i in range(200)]")
+    env = {**os.environ, check_channel.ENV: str(records)}
+    writers = [subprocess.Popen([sys.executable, "-c", writer, str(DIST), str(w)], env=env) for w in range(4)]
+    assert all(w.wait(timeout=60) == 0 for w in writers)
+    lines = records.read_text().splitlines()
+    assert len(lines) == 800 and len({json.loads(line)["name"] for line in lines}) == 800
+
+
+# ----------------------------------------------- the public API, in this process (one rank, or no group)
+def test_polar_express_coefficients_are_the_public_ones():
+    # The Polar Express paper's (arXiv:2505.16932) tuples at x / 1.05, as the public dmuon project exports
+    # them: its first and last tuple, written out.
+    assert len(dmuon.POLAR_EXPRESS_COEFFICIENTS) == 5
+    assert dmuon.POLAR_EXPRESS_COEFFICIENTS[0] == pytest.approx(
+        (7.892582874424408, -20.38301394587957, 13.555306149406924), rel=1e-15)
+    assert dmuon.POLAR_EXPRESS_COEFFICIENTS[-1] == pytest.approx(
+        (2.1910971618617303, -1.441662010214663, 0.328146487623155), rel=1e-15)
+    assert dmuon.YOU_COEFFICIENTS[0] == [4.0848, -6.8946, 2.9270]
+
+
+def test_ns_backend_gram_and_direct_map_onto_newton_schulz():
+    from dmuon_edu.newton_schulz import newton_schulz
+    G = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))  # wide enough for Gram space
+    gram, direct = dmuon.NewtonSchulz("gram"), dmuon.NewtonSchulz("direct")
+    assert torch.equal(gram.orthogonalise(G, 5, torch.float32), newton_schulz(G, 5, dtype=torch.float32))
+    assert torch.equal(direct.orthogonalise(G, 5, torch.float32),
+                       newton_schulz(G, 5, dtype=torch.float32, gram_space=False))
+    assert not torch.equal(gram.orthogonalise(G, 5, torch.float32), direct.orthogonalise(G, 5, torch.float32))
+    for bad, match in [(dict(backend="syrk"), "'gram' or 'direct'"), (dict(kernel="quack"), "SYRK kernels"),
+                       (dict(restart_iterations=[2]), "restart_iterations"), (dict(coefficients=[(1, 2)]), "(a, b, c)")]:
+        with pytest.raises(ValueError, match=re.escape(match)):
+            dmuon.NewtonSchulz(**bad)
+
+
+def test_param_policies_resolve_in_order_with_the_public_spellings():
+    from dmuon_edu.dmuon.policy import resolve_param_policies
+    params = {name: nn.Parameter(torch.zeros(2, 2)) for name in
+              ("layers.0._checkpoint_wrapped_module.attn.q.weight", "layers.0.mlp.up.weight", "lm_head.weight")}
+    policy = {"defaults": {"param_dtype": "bf16"},
+              "overrides": [{"name": ["mlp", "lm_head"], "set": {"route": "base"}},  # the public alias of "adamw"
+                            {"contains": "lm_head", "set": {"route": "sharded", "grad_dtype": "fp32"}}]}
+    resolved = resolve_param_policies(params, None, policy)
+    q, up, head = resolved.values()
+    assert (q.route, q.param_dtype, q.matched_overrides) == (None, torch.bfloat16, ())
+    assert (up.optimizer, up.matched_overrides) == ("adamw", (0,))
+    assert (head.route, head.grad_dtype, head.matched_overrides) == ("sharded_adamw", torch.float32, (0, 1))
+    by_fn = resolve_param_policies(params, torch.float16, param_policy_fn=lambda n, p: {"route": "adamw"} if "q" in n else None)
+    assert [p.optimizer for p in by_fn.values()] == ["adamw", "muon", "muon"] and by_fn[next(iter(params))].param_dtype == torch.float16
+    with pytest.raises(ValueError, match="not both"):
+        resolve_param_policies(params, None, policy, lambda n, p: None)
+    with pytest.raises(ValueError, match=r"unknown policy field\(s\) \['rout'\]"):
+        resolve_param_policies(params, None, {"defaults": {"rout": "adamw"}})
+    with pytest.raises(ValueError, match="muon_forward_unshard='all_gather'"):
+        resolve_param_policies(params, None, {"defaults": {"muon_forward_unshard": "all_gather"}})
+
+
+def test_names_drop_wrapper_segments_in_both_state_dicts(one_rank):
+    from dmuon_edu.dmuon.names import fqn
+    assert fqn("layers.0._checkpoint_wrapped_module.attn._orig_mod.q_proj.weight") == "layers.0.attn.q_proj.weight"
+    model = Tiny()
+    model.layers[0] = torch.compile(model.layers[0], backend="eager")  # names gain "_orig_mod." (never called)
+    assert any("_orig_mod" in n for n, _ in model.named_parameters())
+    dmuon.dedicate_params(model, one_rank, is_dedicated)
+    fully_shard(model, mesh=one_rank)
+    opt = dmuon.Muon(model)
+    weights = dmuon.get_model_state_dict(model)
+    optimizer_state = dmuon.get_optimizer_state_dict(model, opt)
+    assert not [k for k in [*weights, *optimizer_state["state"]] if "_orig_mod" in k]
+    assert "layers.0.up_proj.weight" in weights and "layers.0.up_proj.weight" in optimizer_state["state"]
+    dmuon.set_model_state_dict(model, state_dict=weights)
+    dmuon.set_optimizer_state_dict(model, opt, state_dict=optimizer_state)
+
+
+def test_order_check_and_hook_boundary_arguments_are_checked(one_rank):
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank, is_dedicated)
+    fully_shard(model, mesh=one_rank)
+    with pytest.raises(ValueError, match="order_check must be one of 'strict', 'per_step', 'off'"):
+        dmuon.Muon(model, order_check="sometimes")
+    with pytest.raises(TypeError, match="hook_boundary_strict must be True or False"):
+        dmuon.dedicate_params(Tiny(), one_rank, is_dedicated, hook_boundary_strict="yes")
+    with pytest.raises(TypeError, match="hook_boundary_predicate must be a callable"):
+        dmuon.dedicate_params(Tiny(), one_rank, is_dedicated, hook_boundary_predicate="MultiheadAttention")

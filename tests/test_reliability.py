@@ -51,7 +51,6 @@ again reproduces its stored text outputs exactly; a stub's check cell prints one
 import errno
 import importlib.util
 import io
-import json
 import os
 import re
 import signal
@@ -66,6 +65,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from helpers import processes_running
+import dist.check_channel as check_channel
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -102,10 +102,6 @@ def _load_script(name):
         sys.path.remove(str(DIST))
 
 
-def _checks(result):
-    assert "ALL CHECKS RAN" in result.stdout(0), result.stdout(0)
-    lines = [json.loads(l[len("CHECK "):]) for l in result.stdout(0).splitlines() if l.startswith("CHECK ")]
-    return {c["name"]: c for c in lines}
 
 
 # ------------------------------------------------------------------ resume across world sizes
@@ -116,8 +112,10 @@ def resumed(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reliability")
     checks = {}
     for nproc, actions in [(2, ["save", "misuse"]), (4, ["resume:2", "save"]), (2, ["resume:4", "corrupt:4"])]:
-        result = torchrun(DIST / "reliability_resume.py", nproc=nproc, args=[directory, *actions], timeout=240, echo=False)
-        checks.update(_checks(result))
+        records = directory / f"checks-{nproc}-{actions[0].replace(':', '')}.jsonl"
+        torchrun(DIST / "reliability_resume.py", nproc=nproc, args=[directory, *actions], timeout=240, echo=False,
+                 env={check_channel.ENV: str(records)})
+        checks.update(check_channel.read(records))
     if dist.is_initialized():
         pytest.fail("a process group already exists in this test process; the 2 -> 1 resume needs its own")
     script = _load_script("reliability_resume")

@@ -298,8 +298,8 @@ def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) ->
     tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()
                if dedicated is None or all(p is not q for q in dedicated.params.values())]
     for optimizer in optimizers:
-        # dmuon.Muon keeps its state in its two inner optimizers (Muon on owned matrices, AdamW on shards).
-        inner = (optimizer._muon, optimizer._adamw) if isinstance(optimizer, dmuon.Muon) else (optimizer,)
+        # dmuon.Muon keeps its state in its inner optimizers (Muon and AdamW on owned matrices, AdamW on shards).
+        inner = optimizer._inner if isinstance(optimizer, dmuon.Muon) else (optimizer,)
         for state in (o.state for o in inner):
             for value in (v for entry in state.values() for v in entry.values()):
                 if isinstance(value, torch.Tensor):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon_edu.newton_schulz import POLAR_EXPRESS, POLAR_EXPRESS_AS_PUBLISHED, _fold_input_margin
+from dmuon_edu.newton_schulz import POLAR_EXPRESS, POLAR_EXPRESS_AS_PUBLISHED, POLAR_EXPRESS_PAPER, _fold_input_margin
 
 __all__ = [
     "composed_polynomial",
@@ -29,16 +29,10 @@ __all__ = [
 
 Coefficients = tuple[float, float, float]
 
-# Amsel, Persson, Musco and Gower, "The Polar Express" (arXiv:2505.16932), Algorithm 1: the
-# first five of its tuples as printed. Its code divides every tuple but the last of its eight
-# by a 1.01 safety factor, p(x / 1.01), and the input by 1.01 ||G||_F.
-PAPER_AS_PRINTED: tuple[Coefficients, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-)
+# The Polar Express paper's (arXiv:2505.16932) Algorithm 1: the first five of its tuples as printed.
+# Its code divides every tuple but the last of its eight by a 1.01 safety factor, p(x / 1.01), and
+# the input by 1.01 ||G||_F.
+PAPER_AS_PRINTED: tuple[Coefficients, ...] = POLAR_EXPRESS_PAPER
 PAPER_SAFETY = 1.01
 PUBLIC_DMUON_SAFETY = 1.05  # X-Square-Robot/dmuon: the paper's tuples, each p(x / 1.05); input / ||G||_F
 

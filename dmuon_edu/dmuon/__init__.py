@@ -45,31 +45,43 @@ the end of step(), waited at the next forward with ``dmuon.Muon(...,
 replicate_async=True)``, the default).
 
 Same order on every rank. A collective pairs the n-th call of every rank, so every
-rank must run the same dedicated layers in the same order. Before each collective and
-each forward of a layer with dedicated matrices, each rank checks through the process
-group's store that all ranks are at the same event (order.py: one store round trip,
-about 35 us between two processes on one 2-core CPU). If a rank skipped a layer, the
-ranks raise, naming the layers and the ranks, instead of mixing two layers' data or
-hanging.
+rank must run the same dedicated layers in the same order. Each rank describes every
+collective of dmuon's and every forward of a layer with dedicated matrices, and the
+ranks compare (order.py, ``dmuon.Muon(..., order_check=...)``): by default through the
+process group's store before each event until the first optimizer step, then as a
+running hash compared inside the step's one all-reduce, and event by event when a
+collective times out. If a rank skipped a layer, the ranks raise, naming the layers and
+the ranks, instead of mixing two layers' data or hanging.
+
+Clipping: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` sees only the
+FSDP2 gradients (a dedicated matrix's gradient lives on its owner); use
+``dmuon.clip_grad_norm_(model, max_norm)`` (clip.py). step() warns when it finds the
+FSDP2 gradients scaled and the dedicated ones not.
 
 Bytes are as count_comm counts them: the whole tensor's size on every rank taking
 part, sender or receiver. The peer's byte formulas, 2(N-1)/N * P_M (Z2) and
 3(N-1)/N * P_M (Z3), count what crosses the wire per rank.
 
-Modules: plan.py (owners), fsdp_exclusion.py, placeholder.py (non-owners' guarded
-placeholders), order.py (the same collectives on every rank), dedicate.py
-(dedicate_params, residency and gradient hooks, no_sync, ownership), optim.py (Muon),
-state.py (state dicts, clip_grad_norm_).
+Modules, each importing only those before it: plan.py (owners), names.py (names
+without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
+placeholders), order.py (the same collectives on every rank), boundary.py (hook
+boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
+residency and gradient hooks, no_sync, ownership), clip.py (clip_grad_norm_),
+ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
+diagnostics.py (summaries of the plan and the groups).
 """
 
 from dmuon_edu.distributed import count_collectives as count_comm
 
+from .clip import MuonGradClipStats, clip_grad_norm_
 from .dedicate import dedicate_params, held_bytes, no_sync, ownership
+from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
+from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
 from .optim import Muon
 from .plan import imbalance, plan_owners
+from .policy import DMuonParamPolicy
 from .state import (
     StateDictOptions,
-    clip_grad_norm_,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -86,6 +98,14 @@ __all__ = [
     "held_bytes",
     "count_comm",
     "clip_grad_norm_",
+    "MuonGradClipStats",
+    "DMuonParamPolicy",
+    "NewtonSchulz",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "YOU_COEFFICIENTS",
+    "summarize_comm_plan",
+    "summarize_param_groups",
+    "format_summary",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "set_model_state_dict",

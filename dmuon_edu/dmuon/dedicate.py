@@ -3,20 +3,28 @@
 Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
 ``model._dmuon``. Hooks, all registered by :func:`dedicate_params`:
 
-- on each *unit* (the module of a layer, see plan.layer_of), a forward pre-hook that
-  issues the unit's broadcasts (one per owner and dtype, packed) and those of the next
-  ``prefetch_depth`` units, then waits for its own; and a forward hook that, in Z3,
-  releases them again and arranges for the broadcast to be repeated when backward
+- on each *unit* (the module of a layer, its hook boundary: boundary.py), a forward
+  pre-hook that issues the unit's broadcasts (one per owner and dtype, packed) and those
+  of the next ``prefetch_depth`` units, then waits for its own; and a forward hook that,
+  in Z3, releases them again and arranges for the broadcast to be repeated when backward
   reaches the unit (a hook on the unit's outputs, which autograd runs before the unit's
   own backward), prefetching the previous units' there;
-- on each dedicated parameter, a post-accumulate-grad hook: inside no_sync it moves
-  ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad`` and
-  puts the gradient in its *bucket* (the matrices of one unit with one owner and dtype).
-  A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one packed
-  buffer; a callback at the end of the backward reduces partial buckets (matrices that
-  got no gradient), waits for every reduce and adds the results into the owners'
-  ``p._reduced_grad``. Either way ``p.grad`` is left None. In Z3 a non-owner releases
-  the parameter there.
+- on each trainable dedicated parameter, a post-accumulate-grad hook: inside no_sync it
+  moves ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad``
+  and puts the gradient in its *bucket* (the matrices of one unit with one owner and
+  dtype). A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one
+  packed buffer; a callback at the end of the backward reduces partial buckets (matrices
+  that got no gradient), waits for every reduce and adds the results into the owners'
+  ``p._reduced_grad``. Either way ``p.grad`` is left None.
+
+Residency has one record: ``Unit.resident``, set when the unit's broadcasts are issued and
+cleared when it is released. A non-owner holds a matrix exactly while some resident unit
+uses it (:meth:`DMuonState.release` drops it when the last one goes). In Z3 a unit is
+released after its forward, and after its backward: when autograd has computed the
+gradients of the unit's inputs (a multi-grad hook on them, registered at the forward, as
+FSDP2 does), or at the end of the backward for a unit whose inputs need none (the first
+layer's). So a frozen matrix (``requires_grad=False``), which gets no gradient hook, is
+freed like any other.
 
 Every collective is asynchronous (``async_op=True``) and waited just before its result
 is used, so it travels while the previous layer computes: on CUDA, NCCL runs it on its
@@ -29,10 +37,11 @@ matrix reached from several modules (tied weights) belongs to the unit of each o
 it stays resident while any of those units is.
 
 Mixed precision: when the unit sits under a ``fully_shard(..., mp_policy=...)`` with a
-``param_dtype``, the broadcast carries the matrix in that dtype and every rank, owner
-included, computes with that copy; the owner keeps its float32 master (``p._dmuon_master``)
-for the optimizer, gradients are reduced in the policy's ``reduce_dtype`` and
-accumulated under no_sync in the master's dtype.
+``param_dtype`` (or the parameter's policy has one, policy.py), the broadcast carries the
+matrix in that dtype and every rank, owner included, computes with that copy; the owner
+keeps its float32 master (``p._dmuon_master``) for the optimizer, gradients are reduced in
+the policy's ``reduce_dtype`` (or the parameter's ``grad_dtype``) and accumulated under
+no_sync in the master's dtype.
 """
 
 from __future__ import annotations
@@ -42,21 +51,26 @@ import inspect
 import itertools
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from dmuon_edu.arguments import require_callable, require_module
 
 from . import fsdp_exclusion, placeholder
+from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
+from .names import fqn
 from .order import CollectiveOrder
-from .plan import layer_of, plan_owners
+from .plan import plan_owners
+from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
 
 __all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "DMuonState", "state_of"]
 
@@ -93,9 +107,13 @@ class Unit:
     path: str
     index: int  # in model order: forward prefetches index + 1, backward index - 1
     packs: list[tuple[int, list[nn.Parameter]]]
-    resident: bool = False  # broadcast issued (maybe still in flight) and not released
+    resident: bool = False  # the one record of residency: broadcast issued (maybe in flight), not released
     in_flight: list[InFlight] = field(default_factory=list)
     precision: tuple[torch.dtype | None, torch.dtype | None] | None = None  # (param_dtype, reduce_dtype), found lazily
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, params in self.packs for p in params]
 
 
 @dataclass
@@ -112,10 +130,12 @@ class DMuonState:
     units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
     bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
     buckets: list[Bucket] = field(default_factory=list)
-    holders: dict[nn.Parameter, int] = field(default_factory=lambda: defaultdict(int))  # resident units using p
     reducing: list[InFlight] = field(default_factory=list)  # this backward's reduces, waited at its end
     publishing: list[InFlight] = field(default_factory=list)  # HSDP: the step's results, on their way
     end_of_backward_queued: bool = False
+    # Whether a clip touched this window's gradients, for dmuon.Muon.step's check that a clip saw them all:
+    symmetric_sample: torch.Tensor | None = None  # entries of the FSDP2 gradients as the last backward left them
+    clipped: bool = False  # dmuon.clip_grad_norm_ scaled the gradients since the last backward
     prefetch_depth: int = 1  # units whose broadcast is issued ahead of the one in use (dmuon.Muon sets it)
     in_no_sync: bool = False
     # Forwards of the first unit since the last optimizer step: the micro-batch of the window, which the
@@ -144,11 +164,11 @@ class DMuonState:
         """Whether this rank holds the whole matrix between uses."""
         return self.owner_of(p) == self.rank
 
-    def runs_muon(self, p: nn.Parameter) -> bool:
+    def steps(self, p: nn.Parameter) -> bool:
         """Whether this rank is the matrix's one owner: its holder in the replica that steps it."""
         return self.owns(p) and p._dmuon_replica == self.replica
 
-    # -- residency ------------------------------------------------------------------
+    # -- residency: Unit.resident is the one record (module docstring) ---------------
     def make_resident(self, unit: Unit) -> None:
         """The unit's dedicated parameters hold their values on every rank (issued now if not yet)."""
         self.issue_broadcasts(unit)
@@ -166,9 +186,8 @@ class DMuonState:
         if unit.resident:
             return
         self.wait_published()
-        param_dtype, _ = self.precision(unit)
         for owner, params in unit.packs:
-            dtype = param_dtype or params[0]._dmuon_dtype
+            dtype = self.compute_dtype(unit, params[0])
             if owner == self.rank:
                 flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
             else:
@@ -178,8 +197,6 @@ class DMuonState:
             event = self.order.check(description)
             work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
             unit.in_flight.append(InFlight(event, description, owner, params, flat, work))
-            for p in params:
-                self.holders[p] += 1
         unit.resident = True
 
     def land(self, unit: Unit) -> None:
@@ -203,21 +220,15 @@ class DMuonState:
         if not unit.resident:
             return
         self.land(unit)  # a prefetched broadcast still owns its buffer until it completes
-        for _, params in unit.packs:
-            for p in params:
-                self.holders[p] = max(0, self.holders[p] - 1)
-                if self.holders[p] == 0:
-                    self._drop(p)
         unit.resident = False
+        for p in unit.params:
+            if not any(u.resident for u in self.units_of[p]):
+                self._drop(p)
 
     def release_all(self) -> None:
         """Every non-owner copy is dropped and every owner computes from its master again."""
         for unit in self.units:
-            self.land(unit)
-            unit.resident = False
-        for p in self.params.values():
-            self.holders[p] = 0
-            self._drop(p)
+            self.release(unit)
 
     def _drop(self, p: nn.Parameter) -> None:
         if self.owns(p):
@@ -225,8 +236,21 @@ class DMuonState:
         elif placeholder.is_resident(p):
             placeholder.release(p)
 
+    def compute_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
+        """The dtype ``p`` is broadcast and computed in: its policy's param_dtype, else fully_shard's, else its own."""
+        return p._dmuon_policy.param_dtype or self.precision(unit)[0] or p._dmuon_dtype
+
+    def wire_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
+        """The dtype ``p``'s gradient is reduced in: its policy's grad_dtype, else fully_shard's reduce_dtype, else
+        its own."""
+        return p._dmuon_policy.grad_dtype or self.precision(unit)[1] or p._dmuon_dtype
+
     def precision(self, unit: Unit) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(param_dtype, reduce_dtype) of the fully_shard mixed-precision policy over the unit, or Nones."""
+        """(param_dtype, reduce_dtype) of the fully_shard mixed-precision policy over the unit, or Nones.
+
+        Raises:
+            ValueError: a parameter's compute_dtype (its policy's param_dtype) is not the policy's param_dtype.
+        """
         if unit.precision is None:
             policy = None
             path = unit.path
@@ -238,7 +262,17 @@ class DMuonState:
                 if not path:
                     break
                 path = path.rpartition(".")[0]
-            unit.precision = (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
+            param_dtype, reduce_dtype = (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
+            for p in unit.params:
+                wanted = p._dmuon_policy.param_dtype
+                if wanted is not None and param_dtype is not None and wanted != param_dtype:
+                    raise ValueError(
+                        f"{self.name_of[p]} has compute_dtype (param_dtype) {wanted}, but fully_shard's "
+                        f"MixedPrecisionPolicy over {unit.path or 'the model'} computes in {param_dtype}: the layer's "
+                        f"inputs and other parameters are cast to {param_dtype}. Pass compute_dtype={param_dtype} "
+                        "(or None) to dedicate_params, or change the policy"
+                    )
+            unit.precision = (param_dtype, reduce_dtype)
         return unit.precision
 
     # -- gradients -----------------------------------------------------------------
@@ -246,31 +280,27 @@ class DMuonState:
         """Called once p.grad holds this backward's whole gradient."""
         g, p.grad = p.grad, None
         g = g.to(p._dmuon_dtype)  # accumulate and keep in the master's precision
+        self.queue_end_of_backward()
         if self.in_no_sync:
             p._accumulated_grad = g if p._accumulated_grad is None else p._accumulated_grad.add_(g)
-        else:
-            if p._accumulated_grad is not None:
-                g, p._accumulated_grad = p._accumulated_grad.add_(g), None
-            bucket = self.bucket_of[p]
-            bucket.ready[p] = g
-            if not self.end_of_backward_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_backward))
-                self.end_of_backward_queued = True
-            if len(bucket.ready) == len(bucket.params):
-                self.issue_reduce(bucket)
-        if self.reshard_after_forward:
-            # On every rank alike, owner or not, so that all ranks agree on the next broadcast.
-            for unit in self.units_of[p]:
-                self.land(unit)
-                unit.resident = False
-            self.holders[p] = 0
-            self._drop(p)
+            return
+        if p._accumulated_grad is not None:
+            g, p._accumulated_grad = p._accumulated_grad.add_(g), None
+        bucket = self.bucket_of[p]
+        bucket.ready[p] = g
+        if len(bucket.ready) == len(bucket.params):
+            self.issue_reduce(bucket)
+
+    def queue_end_of_backward(self) -> None:
+        """Have :meth:`finish_backward` run when the backward running now ends (once)."""
+        if not self.end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_backward))
+            self.end_of_backward_queued = True
 
     def issue_reduce(self, bucket: Bucket) -> None:
         """Start reducing (AVG) the bucket's gradients to their owner, in one packed buffer."""
         params = [p for p in bucket.params if p in bucket.ready]  # all of them, unless the backward ended first
-        _, reduce_dtype = self.precision(bucket.unit)
-        wire_dtype = reduce_dtype or params[0]._dmuon_dtype
+        wire_dtype = self.wire_dtype(bucket.unit, params[0])
         flat = torch.cat([bucket.ready[p].to(wire_dtype).reshape(-1) for p in params])
         bucket.ready.clear()
         description = (f"the reduce of {bucket.unit.path or 'the model'}'s gradients to rank {bucket.owner} "
@@ -281,8 +311,11 @@ class DMuonState:
 
     def finish_backward(self) -> None:
         """At the end of a backward: reduce what a partial bucket holds, wait for every reduce, and add
-        the results into the owners' ``_reduced_grad``."""
+        the results into the owners' ``_reduced_grad``; in Z3, release the units still resident (those whose
+        inputs needed no gradient, and prefetched ones whose backward did not come)."""
         self.end_of_backward_queued = False
+        if self.reshard_after_forward:
+            self.release_all()
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
@@ -307,6 +340,26 @@ class DMuonState:
             if sent.replica == self.replica:
                 self._add_reduced(sent)
         self.reducing.clear()
+        if not self.in_no_sync:
+            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
+            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self._sample_after_backward))
+
+    def _sample_after_backward(self) -> None:
+        self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
+
+    @torch.no_grad()
+    def sample_symmetric_gradients(self) -> torch.Tensor | None:
+        """The first and last entry of each gradient shard of the symmetric (FSDP2) parameters on this rank.
+
+        A scaling of those gradients (torch.nn.utils.clip_grad_norm_, which sees only
+        them) changes every nonzero entry; a pass over two entries per tensor sees it.
+        (Version counters do not: DTensor's in-place foreach ops leave them alone.)
+        """
+        entries = [g.reshape(-1)[:: max(1, g.numel() - 1)].float()
+                   for g in (_local(p.grad) for p in self.model.parameters()
+                             if p.grad is not None and p not in self.name_of)
+                   if g.numel() > 0]
+        return torch.cat(entries) if entries else None
 
     @staticmethod
     def _add_reduced(sent: InFlight) -> None:
@@ -351,6 +404,10 @@ class DMuonState:
         self.publishing.clear()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         p.data = values
@@ -371,9 +428,15 @@ def dedicate_params(
     model: nn.Module,
     mesh: DeviceMesh,
     predicate: Callable[[str, nn.Parameter], bool],
-    *,
+    compute_dtype: torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
     replicate_mesh: DeviceMesh | None = None,
+    hook_boundary_predicate: HookBoundaryPredicate | None = None,
+    hook_boundary_strict: bool = True,
+    hook_boundary_resolver: HookBoundaryResolver | None = None,
+    *,
+    param_policy: Mapping[str, Any] | None = None,
+    param_policy_fn: PolicyFn | None = None,
 ) -> dict[str, int]:
     """Give each parameter that ``predicate(name, param)`` selects one owner rank; call before fully_shard.
 
@@ -393,19 +456,44 @@ def dedicate_params(
     each replica to that holder, then across replicas to the owner; after ``step()`` the
     owner publishes the result to the holders of the other replicas.
 
-    Broadcasts happen per layer: the module named by the parameter's name up to its
-    first numeric index (``model.layers[3]`` for "layers.3.mlp.up_proj.weight"), or the
-    parameter's own module when there is no such index or that module is a container
-    that is never called (a ModuleDict). Move the model to the mesh's device first.
+    Broadcasts happen per layer, on the parameter's *hook boundary* (boundary.py): by
+    default the module named by the parameter's name up to its first numeric index
+    (``model.layers[3]`` for "layers.3.mlp.up_proj.weight"), or the parameter's own module
+    when there is no such index or that module is a container that is never called (a
+    ModuleDict); ``hook_boundary_predicate`` or ``hook_boundary_resolver`` choose another
+    (a module that reads a child's weight without calling the child, such as
+    nn.MultiheadAttention with its ``out_proj``, needs one). Move the model to the mesh's
+    device first.
+
+    The arguments and their positional order are the public dmuon project's, up to
+    ``hook_boundary_resolver``; names in the result, in state dicts and in
+    ``param_policy`` are FQNs without wrapper segments (names.py).
 
     Args:
         model: the plain model, not yet sharded, on the mesh's device.
         mesh: a 1-D DeviceMesh over every rank of the process group, or, with
             ``replicate_mesh``, the shard axis of a 2-D mesh.
         predicate: ``predicate(name, param) -> bool``, called for each of
-            ``model.named_parameters()``; it must select 2-D matrices only.
+            ``model.named_parameters()``; it must select 2-D matrices only (or
+            parameters that ``param_policy`` routes to "sharded_adamw").
+        compute_dtype: the dtype dedicated matrices are broadcast and computed in (the
+            default ``param_dtype`` of ``param_policy``): under a ``fully_shard`` mixed
+            precision policy it must be the policy's ``param_dtype``; without one it sets
+            it (run the forward under ``torch.autocast`` then). None: the policy's, else
+            the parameter's own dtype.
         reshard_after_forward: True for Z3, False for Z2.
         replicate_mesh: HSDP's replicate axis of the same 2-D mesh, or None.
+        hook_boundary_predicate: ``(module) -> bool``: the lowest module above each
+            parameter (its own included) for which it is True carries its hooks.
+        hook_boundary_strict: with ``hook_boundary_predicate`` or
+            ``hook_boundary_resolver``, raise when one finds no module for a parameter
+            (True, the default), or fall back to the parameter's own module (False).
+        hook_boundary_resolver: ``(name, param) -> module or None``: the module that
+            carries the parameter's hooks; it takes precedence over the predicate.
+        param_policy: per-parameter routes and dtypes, ``{"defaults": {...},
+            "overrides": [{"name": tokens, "set": {...}}, ...]}`` (policy.py).
+        param_policy_fn: ``(name, param) -> mapping, DMuonParamPolicy or None``, instead
+            of ``param_policy``.
 
     Returns:
         ``{name: owner's rank}`` for each dedicated parameter (its global rank; on a
@@ -415,10 +503,12 @@ def dedicate_params(
         ValueError: the mesh is not 1-D or does not span the process group (with
             ``replicate_mesh``: the two axes do not span it as a grid), the predicate
             selects nothing or a non-matrix, a matrix is on another device, is not
-            contiguous, or shares its storage.
+            contiguous, or shares its storage; a hook boundary cannot be found (strict); a
+            policy asks for what dmuon does not do (policy.py says which fields).
         RuntimeError: the model is already sharded, or was already dedicated.
         TypeError: ``model`` is not an nn.Module, ``predicate`` is not a function of
-            (name, param), or ``reshard_after_forward`` is not a bool.
+            (name, param), ``reshard_after_forward`` or ``hook_boundary_strict`` is not a
+            bool, or a hook boundary argument or policy part has the wrong type.
     """
     require_module("dedicate_params", model, "pass the model itself, before fully_shard")
     for argument, value in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
@@ -453,18 +543,28 @@ def dedicate_params(
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True (Z3) or False (Z2), got {reshard_after_forward!r}")
     _require_predicate(predicate)
+    check_hook_boundary_arguments(hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
 
-    params = {name: p for name, p in model.named_parameters() if predicate(name, p)}
-    if not params:
+    selected = {name: p for name, p in model.named_parameters() if predicate(name, p)}
+    if not selected:
         raise ValueError(
             "the predicate selected no parameter: it is called as predicate(name, param) for each of "
             "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
+        )
+    policies = resolve_param_policies(selected, compute_dtype, param_policy, param_policy_fn)
+    # "sharded_adamw" is AdamW on shards: what fully_shard does with a parameter dmuon leaves alone.
+    params = {fqn(name): p for name, p in selected.items() if policies[name].route != "sharded_adamw"}
+    if not params:
+        raise ValueError(
+            "param_policy routes every selected parameter to 'sharded_adamw', which leaves it to fully_shard: "
+            "route the matrices for Muon to 'muon' (the default)"
         )
     for name, p in params.items():
         if p.ndim != 2:
             raise ValueError(
                 f"the predicate selected {name} of shape {tuple(p.shape)}: only 2-D matrices can be dedicated "
-                "(Muon orthogonalises matrices); add `and p.ndim == 2` to the predicate"
+                "(Muon orthogonalises matrices); add `and p.ndim == 2` to the predicate, or route it to "
+                "'sharded_adamw' with param_policy (fully_shard then shards it and AdamW steps the shards)"
             )
         if p.device.type != mesh.device_type:
             raise ValueError(
@@ -481,20 +581,28 @@ def dedicate_params(
                              "dedicated parameters need their own: replace it with "
                              "nn.Parameter(weight.detach().clone()) before dedicate_params")
 
-    key, rank_at = _agree_on_every_rank(params, mesh, replicate_mesh)
+    dedicated = {id(p) for p in params.values()}
+    aliases = [(alias, p) for alias, p in model.named_parameters(remove_duplicate=False) if id(p) in dedicated]
+    boundaries = hook_boundaries(model, aliases, hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
+    policy_of = {fqn(name): policy for name, policy in policies.items()}
+    key, rank_at = _agree_on_every_rank(params, policy_of, mesh, replicate_mesh)
     shards = mesh.size()
     plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
     # Owner g of the plan: replica g // shards, shard index g % shards.
     owners = {name: rank_at[divmod(g, shards)] for name, g in plan.items()}
-    replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank())
+    # Every replica runs the same events on its shard axis: one key for all ranks. The replicate axis has a key
+    # per shard index, shared by that column's ranks.
+    order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()))
+    replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank(),
+                                       dist.get_process_group_ranks(replicate_mesh.get_group()))
                        if replicate_mesh is not None else None)
-    state = DMuonState(model, mesh, reshard_after_forward, params, owners, CollectiveOrder(key, dist.get_rank()),
-                       replicate_mesh, replicate_order)
+    state = DMuonState(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
         p._dmuon_replica = plan[name] // shards
         p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = p.shape, p.dtype, p.data
+        p._dmuon_policy = policy_of[name]
         p._reduced_grad = None
         p._accumulated_grad = None
         if not state.owns(p):
@@ -502,7 +610,7 @@ def dedicate_params(
             placeholder.make_placeholder(p, name, owners[name], dist.get_rank())
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
-    _build_units(model, state)
+    _build_units(model, state, aliases, boundaries)
     model._dmuon = state
     return dict(owners)
 
@@ -519,15 +627,16 @@ def _require_predicate(predicate) -> None:
         pass
 
 
-def _agree_on_every_rank(params: dict[str, nn.Parameter], mesh: DeviceMesh,
+def _agree_on_every_rank(params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy], mesh: DeviceMesh,
                          replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
-    """Every rank must dedicate the same matrices, with the same shapes and dtypes, or the broadcasts pair
-    wrongly; with a replicate mesh, the two axes must cover the process group as a grid.
+    """Every rank must dedicate the same matrices, with the same shapes, dtypes and policies, or the broadcasts
+    pair wrongly; with a replicate mesh, the two axes must cover the process group as a grid.
 
     Returns a store key for this model's CollectiveOrder that every rank shares (rank 0's), and
     ``{(replica, shard index): global rank}``.
     """
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in params.items()]
+    mine = [(name, tuple(p.shape), str(p.dtype), str(policies[name].param_dtype), str(policies[name].grad_dtype),
+             policies[name].optimizer) for name, p in params.items()]
     replica = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
     here = (f"dmuon/order/{uuid.uuid4().hex}", mine, (replica, mesh.get_local_rank()), dist.get_rank())
     group = mesh.get_group() if replicate_mesh is None else None  # None: the default group, every rank
@@ -544,8 +653,9 @@ def _agree_on_every_rank(params: dict[str, nn.Parameter], mesh: DeviceMesh,
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
                 f"dedicate_params: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
-                f"difference is {first[0]} here and {first[1]} there (name, shape, dtype). The predicate must "
-                "select the same parameters on every rank: make it depend on names and shapes only"
+                f"difference is {first[0]} here and {first[1]} there (name, shape, dtype, param_dtype, grad_dtype, "
+                "optimizer). The predicate and the policy must select the same on every rank: make them depend "
+                "on names and shapes only"
             )
     rank_at = {coordinates: rank for _, _, coordinates, rank in everyone}
     grid = {(r, s) for r in range(replicate_mesh.size() if replicate_mesh is not None else 1) for s in range(mesh.size())}
@@ -557,20 +667,22 @@ def _agree_on_every_rank(params: dict[str, nn.Parameter], mesh: DeviceMesh,
     return everyone[0][0], rank_at
 
 
-def _build_units(model: nn.Module, state: DMuonState) -> None:
-    """One unit per layer that uses dedicated matrices; a tied matrix joins the unit of every module that holds it."""
+def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, nn.Parameter]],
+                 boundaries: dict[str, str]) -> None:
+    """One unit per hook boundary that uses dedicated matrices; a tied matrix joins the unit of every module that
+    holds it. A unit packs its matrices by owner and dtypes (the master's, and the policy's param and grad dtypes)."""
     by_path: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    dedicated = {p: name for name, p in state.params.items()}
-    for alias, p in model.named_parameters(remove_duplicate=False):
-        if p in dedicated:
-            by_path.setdefault(_unit_path(model, alias), []).append((alias, p))
-    for path, aliases in by_path.items():
-        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
-        for _, p in aliases:
-            pack = packs.setdefault((state.owner_of(p), str(p._dmuon_dtype)), [])
+    for alias, p in aliases:
+        by_path.setdefault(boundaries[alias], []).append((alias, p))
+    for path, used in by_path.items():
+        packs: dict[tuple, list[nn.Parameter]] = {}
+        for _, p in used:
+            key = (state.owner_of(p), str(p._dmuon_dtype), str(p._dmuon_policy.param_dtype),
+                   str(p._dmuon_policy.grad_dtype))
+            pack = packs.setdefault(key, [])
             if all(q is not p for q in pack):  # identity: == on tensors compares values
                 pack.append(p)
-        unit = Unit(path, len(state.units), [(owner, ps) for (owner, _), ps in sorted(packs.items())])
+        unit = Unit(path, len(state.units), [(key[0], ps) for key, ps in sorted(packs.items())])
         state.units.append(unit)
         for owner, ps in unit.packs:
             for p in ps:
@@ -583,11 +695,13 @@ def _build_units(model: nn.Module, state: DMuonState) -> None:
                 state.buckets.append(bucket)
                 state.bucket_of.update((p, bucket) for p in members)
         module = model.get_submodule(path)
-        module.register_forward_pre_hook(_outside_dynamo(lambda _m, _args, unit=unit: _before_forward(state, unit)))
+        module.register_forward_pre_hook(
+            _outside_dynamo(lambda _m, args, kwargs, unit=unit: _before_forward(state, unit, (args, kwargs))),
+            with_kwargs=True)
         module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
-        for own in {alias.rpartition(".")[0] for alias, _ in aliases} - {path}:
+        for own in {alias.rpartition(".")[0] for alias, _ in used} - {path}:
             model.get_submodule(own).register_forward_pre_hook(
                 _outside_dynamo(lambda _m, _args, unit=unit: state.make_resident(unit)))
 
@@ -597,19 +711,7 @@ def _outside_dynamo(hook):
     return torch._dynamo.disable(hook, recursive=True)
 
 
-def _unit_path(model: nn.Module, name: str) -> str:
-    """The module whose forward brackets the use of parameter ``name``: its layer, else its own module."""
-    path = layer_of(name)
-    try:
-        layer = model.get_submodule(path)
-    except AttributeError:
-        layer = None
-    if layer is None or type(layer).forward is nn.Module.forward:  # e.g. a ModuleDict: never called
-        return name.rpartition(".")[0]
-    return path
-
-
-def _before_forward(state: DMuonState, unit: Unit) -> None:
+def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
     if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
         state.microbatch += 1
     state.order.check(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
@@ -617,12 +719,16 @@ def _before_forward(state: DMuonState, unit: Unit) -> None:
     state.issue_broadcasts(unit)
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
         state.prefetch(unit, +1)
+        if state.reshard_after_forward and torch.is_grad_enabled():
+            needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:  # called once autograd has the gradients of all of them: the unit's backward is done
+                torch.autograd.graph.register_multi_grad_hook(needing, _outside_dynamo(lambda _grads: state.release(unit)))
     state.land(unit)
 
 
 def _after_forward(state: DMuonState, unit: Unit, output) -> None:
     # Inside a backward pass the forward is being recomputed (activation checkpointing): the
-    # unit's backward comes next and needs the parameters; its gradient hooks release them.
+    # unit's backward comes next and needs the parameters; the hook on its inputs releases them.
     if not state.reshard_after_forward or torch._C._current_graph_task_id() != -1:
         return
     state.release(unit)
@@ -630,6 +736,7 @@ def _after_forward(state: DMuonState, unit: Unit, output) -> None:
         # Autograd runs a hook on an output's gradient before the backward of the
         # operation that made the output, i.e. before the unit's backward.
         def before_backward(grad):
+            state.queue_end_of_backward()
             state.issue_broadcasts(unit)
             state.prefetch(unit, -1)
             state.land(unit)

@@ -1,27 +1,44 @@
 """dmuon.Muon: single-device Muon on each owner's matrices, AdamW on everyone's FSDP2 shards.
 
-Two param groups, visible to torch.optim.lr_scheduler like any optimizer's:
+Param groups, visible to torch.optim.lr_scheduler like any optimizer's: a Muon group
+and an AdamW group for each *semantic* group, the public dmuon project's lowering of
+``param_groups=``. Without it there is one semantic group, "default":
 
-- ``param_groups[0]``, Muon: every dedicated parameter (on every rank, so that the
-  groups look alike everywhere), with lr, momentum, nesterov, weight_decay,
+- ``param_groups[0]``, Muon: every dedicated parameter routed to Muon (on every rank, so
+  that the groups look alike everywhere), with lr, momentum, nesterov, weight_decay,
   adjust_lr_fn, ns_steps, ns_dtype;
-- ``param_groups[1]``, AdamW: every other trainable parameter (its FSDP2 shard), with
-  lr (= adamw_lr), betas, eps, weight_decay (= adamw_weight_decay).
+- ``param_groups[1]``, AdamW: every other trainable parameter (its FSDP2 shard) and the
+  dedicated matrices routed to AdamW (policy.py), with lr (= adamw_lr), betas, eps,
+  weight_decay (= adamw_weight_decay).
+
+Each group also has ``group_name`` ("default/muon"), ``semantic_group_name``,
+``subgroup_type`` ("muon" or "adamw") and ``use_muon``. With ``param_groups=[{"params":
+..., "lr": ...}, ...]`` (a list of dicts, e.g. norms and embeddings without weight
+decay), group i becomes ``param_groups[2 i]`` (its dedicated Muon matrices) and
+``param_groups[2 i + 1]`` (the rest). A group's keys: ``params``; ``group_name`` or
+``name``; ``lr`` (both subgroups), ``muon_lr``, ``adamw_lr``; ``weight_decay`` (both),
+``muon_weight_decay``, ``adamw_weight_decay``; ``momentum``, ``adamw_betas``,
+``adamw_eps``; ``nesterov``, ``adjust_lr_fn``, ``ns_steps``, ``ns_dtype``;
+``dmuon_route`` ("muon" or "adamw": the optimizer of its dedicated matrices). Every
+trainable parameter of the model must be in exactly one group; frozen ones are skipped.
 
 A scheduler scales each group's own ``lr``: LambdaLR(opt, f) multiplies both lr and
 adamw_lr by f(step). The groups are the source of truth; step() hands their values to
-two inner optimizers: a dmuon_edu.muon.Muon over the matrices this rank owns (fed with
-``p._reduced_grad``; see its docstring for how same-shape matrices are batched) and a
-torch.optim.AdamW over the shards.
+three inner optimizers, one group per semantic group each: a dmuon_edu.muon.Muon over
+the Muon matrices this rank owns (fed with ``p._reduced_grad``; see its docstring for
+how same-shape matrices are batched), a torch.optim.AdamW over the shards, and one over
+the AdamW-routed matrices this rank owns.
 
 Non-finite gradients: if any gradient of the step holds NaN or Inf, on any rank (an
 owner's reduced matrix gradient or any FSDP2 shard), step() skips the whole step on
 every rank: weights, momentum, Adam moments and step counts stay as they were, a
 RuntimeWarning says so, and ``skipped_steps`` counts it (GradScaler's policy, applied
-to all ranks alike). Deciding it costs one all_reduce of a one-element flag per step.
-A learning-rate scheduler that the loop steps after every optimizer step still
-advances on a skipped one, as it does after a step that GradScaler skips; a loop that
-must not lose schedule on a skip can compare ``skipped_steps`` before and after.
+to all ranks alike). Deciding it costs one all_reduce of a few numbers per step, which
+also carries the order check's digests (order.py) and whether a clip of the FSDP2
+gradients alone happened (clip.py). A learning-rate scheduler that the loop steps after
+every optimizer step still advances on a skipped one, as it does after a step that
+GradScaler skips; a loop that must not lose schedule on a skip can compare
+``skipped_steps`` before and after.
 
 Optimizer state is created at construction (zero momentum, zero Adam moments, step 0:
 exactly a fresh optimizer's first step), so that a fresh optimizer's state dict
@@ -33,6 +50,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,12 +60,36 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from dmuon_edu import muon as single_device
 
+from .clip import MuonGradClipStats, clip_grad_norm_
 from .dedicate import state_of
+from .ns_backend import NewtonSchulz, as_backend
+from .order import MODES
 
 __all__ = ["Muon"]
 
 MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr_fn", "ns_steps", "ns_dtype")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+# A semantic group's keys -> (the Muon subgroup's key, the AdamW subgroup's key); the specific key wins.
+GROUP_KEYS = {
+    "lr": ("lr", "lr"), "muon_lr": ("lr", None), "adamw_lr": (None, "lr"),
+    "weight_decay": ("weight_decay", "weight_decay"), "muon_weight_decay": ("weight_decay", None),
+    "adamw_weight_decay": (None, "weight_decay"), "momentum": ("momentum", None), "nesterov": ("nesterov", None),
+    "adjust_lr_fn": ("adjust_lr_fn", None), "ns_steps": ("ns_steps", None), "ns_dtype": ("ns_dtype", None),
+    "adamw_betas": (None, "betas"), "adamw_eps": (None, "eps"),
+}
+ROUTE_KEYS = ("dmuon_route", "dmuon_optimizer", "matrix_optimizer")  # the public project's three spellings
+NAME_KEYS = ("group_name", "name")
+
+
+class _OwnerMuon(single_device.Muon):
+    """dmuon_edu.muon.Muon orthogonalising with dmuon.Muon's ``ns_backend``."""
+
+    def __init__(self, params, backend: NewtonSchulz, **hyper):
+        self.backend = backend
+        super().__init__(params, **hyper)
+
+    def _orthogonaliser(self, group: dict):
+        return partial(self.backend.orthogonalise, steps=group["ns_steps"], dtype=group["ns_dtype"])
 
 
 class Muon(torch.optim.Optimizer):
@@ -58,35 +100,48 @@ class Muon(torch.optim.Optimizer):
     of dedicated parameters are freed: the next forward broadcasts the new values.
     ``state_dict()`` is not per-rank meaningful; use dmuon.get_optimizer_state_dict.
 
-    The defaults, and the order of the positional arguments, are the public dmuon
-    project's: its update scale is s(m, n) = 0.2 sqrt(max(m, n)) ("match_rms_adamw",
-    an update with AdamW's RMS, so that lr 0.02 sits beside adamw_lr 1e-3).
-    ``adjust_lr_fn="original"`` gives Keller Jordan's sqrt(max(1, m / n)), the default
-    of dmuon_edu.muon.Muon and torch.optim.Muon: pass it to compare with those.
+    The defaults, and the order of the positional arguments (up to ``replicate_async``),
+    are the public dmuon project's: its update scale is s(m, n) = 0.2 sqrt(max(m, n))
+    ("match_rms_adamw", an update with AdamW's RMS, so that lr 0.02 sits beside adamw_lr
+    1e-3). ``adjust_lr_fn="original"`` gives Keller Jordan's sqrt(max(1, m / n)), the
+    default of dmuon_edu.muon.Muon and torch.optim.Muon: pass it to compare with those.
 
     Args:
         model: the model, after ``dedicate_params`` and ``fully_shard``.
         lr, momentum, weight_decay, ns_steps, nesterov, adjust_lr_fn, ns_dtype: the Muon
-            hyperparameters of the dedicated matrices, as in dmuon_edu.muon.Muon.
+            hyperparameters of the dedicated matrices, as in dmuon_edu.muon.Muon
+            (``ns_dtype="auto"``: bf16 where the hardware multiplies it natively).
         adamw_lr, adamw_betas, adamw_weight_decay, adamw_eps: torch.optim.AdamW's lr,
             betas, weight_decay and eps for every other trainable parameter.
-        forward_prefetch_depth: how many layers ahead a layer's forward issues their
-            broadcasts (the backward of Z3 likewise, in reverse order), so that they
-            travel while this layer computes; 0 issues each at its own layer's forward.
+        param_groups: a list of dicts, each lowered into a Muon and an AdamW group (the
+            module docstring lists their keys); None: one group of everything.
+        ns_backend: "gram" (the default), "direct", or a dmuon.NewtonSchulz with its own
+            coefficients (ns_backend.py).
         replicate_async: with a replicate mesh (HSDP), start publishing each owner's
             updated matrices to the other replicas at the end of ``step()`` and wait for
             them at the next forward (True), or within ``step()`` (False). The same
             results either way; nothing to publish on a 1-D mesh.
+        forward_prefetch_depth: how many layers ahead a layer's forward issues their
+            broadcasts (the backward of Z3 likewise, in reverse order), so that they
+            travel while this layer computes; 0 issues each at its own layer's forward.
+        order_check: how the ranks check that they run dmuon's collectives in the same
+            order (order.py): "per_step" (the default: strictly until the first step,
+            then a running hash compared at every step at no extra communication),
+            "strict" (a store round trip before every collective) or "off".
 
     Raises:
-        TypeError: ``model`` is not an nn.Module, or a hyperparameter has the wrong type.
+        TypeError: ``model`` is not an nn.Module, ``param_groups`` or ``ns_backend`` has
+            the wrong type, or a hyperparameter has the wrong type.
         ValueError: the model has no dedicated parameters, a trainable parameter is
-            neither dedicated nor sharded by FSDP2, a hyperparameter is invalid (also
-            checked at every step, after schedulers and state dict loads), or
-            ``adamw_eps`` rounds to 0 in the dtype of the AdamW parameters (1e-8 in
-            float16: AdamW would write NaN into them; keep float32 parameters and compute
-            in float16 through fully_shard's mp_policy).
-        RuntimeError: ``step()`` is called inside ``no_sync``.
+            neither dedicated nor sharded by FSDP2, ``param_groups`` leaves out or repeats
+            a trainable parameter or has an unknown key, a hyperparameter is invalid (also
+            checked at every step, after schedulers and state dict loads), an AdamW group's
+            ``eps`` rounds to 0 in the dtype of its parameters (1e-8 in float16: AdamW would
+            write NaN into them; keep float32 parameters and compute in float16 through
+            fully_shard's mp_policy), or a dedicated matrix's compute_dtype disagrees with
+            fully_shard's mixed-precision policy.
+        RuntimeError: ``step()`` is called inside ``no_sync``, or the ranks ran dmuon's
+            collectives in different orders (the step is refused on every rank).
     """
 
     def __init__(
@@ -100,12 +155,15 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_weight_decay: float = 0.01,
         adamw_eps: float = 1e-8,
-        *,
+        param_groups: list[dict] | None = None,
+        ns_backend: str | NewtonSchulz = "gram",
         nesterov: bool = True,
+        replicate_async: bool = True,
+        *,
         adjust_lr_fn: str = "match_rms_adamw",
         ns_dtype: torch.dtype | str = "auto",
         forward_prefetch_depth: int = 1,
-        replicate_async: bool = True,
+        order_check: str = "per_step",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")
@@ -116,14 +174,14 @@ class Muon(torch.optim.Optimizer):
                 f"forward_prefetch_depth must be an int >= 0 (0: each layer's broadcast waits until its forward), "
                 f"got {forward_prefetch_depth!r}; 1 is the default"
             )
-        self._dmuon.prefetch_depth = depth
         if not isinstance(replicate_async, bool):
             raise ValueError(f"replicate_async must be True or False, got {replicate_async!r}")
-        self.replicate_async = replicate_async
-        dedicated = list(self._dmuon.params.values())
-        is_dedicated = {id(p) for p in dedicated}
-        others = [p for p in model.parameters() if id(p) not in is_dedicated and p.requires_grad]
-        self._owned = [p for p in dedicated if self._dmuon.runs_muon(p)]
+        if order_check not in MODES:
+            raise ValueError(f"order_check must be one of {', '.join(map(repr, MODES))}, got {order_check!r}")
+        backend = as_backend(ns_backend)
+        for unit in self._dmuon.units:  # a compute_dtype that disagrees with fully_shard's policy: refused now
+            self._dmuon.precision(unit)
+        is_dedicated = {id(p) for p in self._dmuon.params.values()}
         unsharded = [n for n, p in model.named_parameters()
                      if id(p) not in is_dedicated and p.requires_grad and not isinstance(p, DTensor)]
         if unsharded and self._dmuon.world_size > 1:
@@ -131,47 +189,83 @@ class Muon(torch.optim.Optimizer):
                 f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor sharded by FSDP2, so "
                 "nothing would average its gradient: fully_shard the layers and the model before building dmuon.Muon"
             )
-
         muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                           adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
         adamw_hyper = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
-        _check_adamw_hyperparameters(adamw_hyper)  # torch.optim.AdamW lets inf through
+        _check_adamw_hyperparameters(adamw_hyper)  # their types before tuple(); torch.optim.AdamW lets inf through
         adamw_hyper["betas"] = tuple(adamw_betas)
-        self._adamw_dtypes = {p.dtype for p in others}
-        _check_adamw_eps_fits(adamw_eps, self._adamw_dtypes)
-        # The inner optimizers check the hyperparameters (and accept an empty list).
-        self._muon = single_device.Muon([{"params": self._owned}], **muon_hyper)
-        self._adamw = torch.optim.AdamW([{"params": others}], **adamw_hyper)
-        super().__init__([{"params": dedicated, **muon_hyper}, {"params": others, **adamw_hyper}], defaults={})
+        groups = _lower(model, self._dmuon, param_groups, muon_hyper, adamw_hyper)
+        for group in groups:  # a user group's own values too; the inner Muon checks its own
+            _check_group(group)
+
+        self._dmuon.prefetch_depth = depth
+        self.replicate_async = replicate_async
+        for order in (self._dmuon.order, self._dmuon.replicate_order):
+            if order is not None:
+                order.mode = order_check
+        steps = self._dmuon.steps
+        muon_groups, adamw_groups = groups[0::2], groups[1::2]
+        self._muon = _OwnerMuon([{"params": [p for p in g["params"] if steps(p)]} for g in muon_groups], backend,
+                                **muon_hyper)
+        self._adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) not in is_dedicated]}
+                                         for g in adamw_groups], **adamw_hyper)
+        self._owner_adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) in is_dedicated and steps(p)]}
+                                               for g in adamw_groups], **adamw_hyper)
+        self._inner = (self._muon, self._adamw, self._owner_adamw)
+        super().__init__(groups, defaults={})
+        self.last_muon_grad_clip_stats: MuonGradClipStats | None = None
 
         self.skipped_steps = 0  # steps skipped for non-finite gradients
-        self._nonfinite_flag = torch.zeros((), device=self._dmuon.mesh_device)  # reused at every step
-        for p in self._owned:
+        self._agreed = torch.zeros(6, dtype=torch.float64, device=self._dmuon.mesh_device)  # reused at every step
+        for p in self._owned_muon:
             self._muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        for p in others:
-            self._adamw.state[p].update(
-                step=torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW makes it: on CPU
-                exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
-            )
+        for optimizer in (self._adamw, self._owner_adamw):
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                optimizer.state[p].update(
+                    step=torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW makes it: on CPU
+                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
 
     @property
     def muon_group(self) -> dict:
+        """``param_groups[0]``: the first (without ``param_groups``, the one) Muon group."""
         return self.param_groups[0]
 
     @property
     def adamw_group(self) -> dict:
+        """``param_groups[1]``: the first (without ``param_groups``, the one) AdamW group."""
         return self.param_groups[1]
 
+    @property
+    def _owned_muon(self) -> list[nn.Parameter]:
+        return [p for group in self._muon.param_groups for p in group["params"]]
+
+    @property
+    def _owned(self) -> list[nn.Parameter]:
+        """The dedicated matrices this rank steps, Muon's and AdamW's."""
+        return self._owned_muon + [p for group in self._owner_adamw.param_groups for p in group["params"]]
+
+    def inner_optimizer_of(self, p: nn.Parameter) -> torch.optim.Optimizer:
+        """The inner optimizer that steps ``p`` on this rank, whose ``state[p]`` holds its state."""
+        return next(o for o in self._inner if any(q is p for group in o.param_groups for q in group["params"]))
+
     def _push_hyperparameters(self) -> None:
-        inner_muon, inner_adamw = self._muon.param_groups[0], self._adamw.param_groups[0]
-        muon_values = {k: self.muon_group[k] for k in MUON_KEYS}
-        adamw_values = {k: self.adamw_group[k] for k in ADAMW_KEYS}
-        single_device.check_hyperparameters(muon_values)
-        _check_adamw_hyperparameters(adamw_values)
-        _check_adamw_eps_fits(adamw_values["eps"], self._adamw_dtypes)
-        inner_muon.update(muon_values)
-        inner_adamw.update(adamw_values)
+        for index, group in enumerate(self.param_groups):
+            try:  # again at every step: a scheduler or a hand edit may have changed them
+                _check_group(group)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"param group {index} ({group['group_name']}): {error}") from None
+        for i, (muon_group, adamw_group) in enumerate(zip(self.param_groups[0::2], self.param_groups[1::2])):
+            self._muon.param_groups[i].update({k: muon_group[k] for k in MUON_KEYS})
+            for optimizer in (self._adamw, self._owner_adamw):
+                optimizer.param_groups[i].update({k: adamw_group[k] for k in ADAMW_KEYS})
+
+    def clip_grad_norm_(self, max_norm: float | None, *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None, strategy: str = "global_norm") -> MuonGradClipStats:
+        """``dmuon.clip_grad_norm_(self, ...)``: the Muon gradients only (the public project's method)."""
+        return clip_grad_norm_(self, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                               foreach=foreach, strategy=strategy)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -196,7 +290,7 @@ class Muon(torch.optim.Optimizer):
         # Owners step their masters; no copy a layer used is needed after the last backward.
         self._dmuon.wait_published()
         self._dmuon.release_all()
-        if not self._gradients_finite():
+        if not self._agree_before_step():
             self.skipped_steps += 1
             warnings.warn(
                 "dmuon.Muon skipped this optimizer step on every rank: a gradient holds NaN or Inf. Weights and "
@@ -205,12 +299,14 @@ class Muon(torch.optim.Optimizer):
                 RuntimeWarning,
             )
             return loss
-        for p in self._owned:
+        owned = self._owned
+        for p in owned:
             p.grad = p._reduced_grad
         try:
             self._muon.step()
+            self._owner_adamw.step()
         finally:
-            for p in self._owned:
+            for p in owned:
                 p.grad = None
         self._dmuon.publish()
         if not self.replicate_async:
@@ -218,20 +314,47 @@ class Muon(torch.optim.Optimizer):
         self._adamw.step()
         return loss
 
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient of this step is finite on every rank (the same answer everywhere)."""
+    def _agree_before_step(self) -> bool:
+        """One all-reduce (max) of [any gradient non-finite, FSDP2 gradients changed since the backward, events,
+        -events, CRC, -CRC]: skip on a non-finite gradient (False), refuse on diverged event orders, warn on a
+        clip that saw the FSDP2 gradients only. The same answers on every rank."""
+        state, agreed = self._dmuon, self._agreed
         grads = [p._reduced_grad for p in self._owned if p._reduced_grad is not None]
         grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                  for p in self.adamw_group["params"] if p.grad is not None]
+                  for group in self.param_groups[1::2] for p in group["params"]
+                  if p.grad is not None and p not in state.name_of]
         # min and max are finite exactly when every entry is; one host sync in all.
         extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
-        bad = self._nonfinite_flag
-        bad.copy_((~torch.cat(extremes).isfinite()).any() if extremes else False)
-        everyone = self._dmuon.everyone
+        agreed[0] = (~torch.cat(extremes).isfinite()).any() if extremes else False
+        before, now = state.symmetric_sample, state.sample_symmetric_gradients()
+        agreed[1] = (before is not None and now is not None and before.shape == now.shape
+                     and (before != now).any())
+        state.symmetric_sample = None  # the next backward takes its own
+        everyone = state.everyone
         if dist.get_world_size(everyone) > 1:
-            with self._dmuon.order.collective("the optimizer step's all-reduce of its finite-gradients flag"):
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=everyone)
-        return bad.item() == 0
+            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag")
+            events, crc = state.order.digest()
+            agreed[2:] = torch.tensor([events, -events, crc, -crc], dtype=torch.float64)
+            with state.order.waiting(event, "the optimizer step's all-reduce of its finite-gradients flag"):
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=everyone)
+            if state.order.mode != "off" and (agreed[2] != -agreed[3] or agreed[4] != -agreed[5]):
+                raise RuntimeError(
+                    (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
+                    + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
+                )
+        # The replicate axis's events (HSDP) follow from the shard axis's: they are checked with them.
+        for order in (state.order, state.replicate_order):
+            if order is not None:
+                order.step_checked()
+        if bool(agreed[1]) and not state.clipped:
+            warnings.warn(
+                "the FSDP2 gradients were scaled after the backward, but not the dedicated (Muon) ones: "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only the gradients in p.grad, and a "
+                "dedicated matrix's gradient lives on its owner (p._reduced_grad), so it measured and clipped part "
+                "of the gradient. Use dmuon.clip_grad_norm_(model, max_norm) for the global norm",
+                RuntimeWarning,
+            )
+        return agreed[0].item() == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``_reduced_grad`` and ``_accumulated_grad`` of dedicated parameters and the FSDP2 gradients."""
@@ -252,6 +375,85 @@ class Muon(torch.optim.Optimizer):
         raise RuntimeError(
             "dmuon.Muon's state is spread over ranks: use dmuon.set_optimizer_state_dict(model, optimizer, state_dict)"
         )
+
+
+def _lower(model: nn.Module, state, param_groups, muon_hyper: dict, adamw_hyper: dict) -> list[dict]:
+    """The public project's lowering: each semantic group -> [its Muon group, its AdamW group] (module docstring)."""
+    if param_groups is None:
+        param_groups = [{"params": list(model.parameters()), "group_name": "default"}]
+        trainable_only = False  # frozen dedicated matrices stay in it (they get no gradient, so no step)
+    else:
+        trainable_only = True
+        if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
+            raise TypeError(f"param_groups must be a list of dicts, got {type(param_groups).__name__}")
+        if not param_groups:
+            raise ValueError("param_groups is empty: pass None for one group of every parameter")
+    names = {id(p): name for name, p in model.named_parameters()}
+    symmetric = {id(p) for p in model.parameters() if p.requires_grad and p not in state.name_of}
+    seen: dict[int, str] = {}
+    lowered = []
+    for index, user in enumerate(param_groups):
+        if not isinstance(user, dict) or "params" not in user:
+            raise TypeError(f"param_groups[{index}] must be a dict with 'params', got {user!r:.80}")
+        unknown = set(user) - {"params", *NAME_KEYS, *GROUP_KEYS, *ROUTE_KEYS}
+        if unknown:
+            raise ValueError(
+                f"param_groups[{index}] has unknown key(s) {sorted(unknown)}; a group takes params, group_name, "
+                f"{', '.join(GROUP_KEYS)} and dmuon_route (AdamW's betas are 'adamw_betas')"
+            )
+        group_name = str(next((user[k] for k in NAME_KEYS if k in user), f"group_{index}"))
+        route = next((str(user[k]).strip().lower() for k in ROUTE_KEYS if k in user), None)
+        if route not in (None, "muon", "adamw"):
+            raise ValueError(
+                f"param_groups[{index}] routes its dedicated matrices to {route!r}: a group chooses 'muon' or "
+                "'adamw'; 'sharded_adamw' is a dedicate_params param_policy route"
+            )
+        params = [user["params"]] if isinstance(user["params"], torch.Tensor) else list(user["params"])
+        muon_params, adamw_params = [], []
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param_groups[{index}]['params'] holds a {type(p).__name__}, not a tensor")
+            if trainable_only and not p.requires_grad:
+                continue
+            if id(p) not in symmetric and p not in state.name_of:
+                if id(p) in names:  # a frozen symmetric parameter: AdamW has nothing to step
+                    continue
+                raise ValueError(
+                    f"param_groups[{index}] holds a parameter that is not one of this model's: build the groups "
+                    "from model.named_parameters() after dedicate_params and fully_shard"
+                )
+            if id(p) in seen:
+                raise ValueError(f"{names[id(p)]} is in param_groups {seen[id(p)]} and {group_name}: put it in one")
+            seen[id(p)] = group_name
+            if p in state.name_of and (route or p._dmuon_policy.optimizer) == "muon":
+                muon_params.append(p)
+            else:
+                adamw_params.append(p)
+        # GROUP_KEYS lists each shared key before its specific ones, which therefore win.
+        muon = {**muon_hyper, **{GROUP_KEYS[k][0]: user[k] for k in GROUP_KEYS if k in user and GROUP_KEYS[k][0]}}
+        adamw = {**adamw_hyper, **{GROUP_KEYS[k][1]: user[k] for k in GROUP_KEYS if k in user and GROUP_KEYS[k][1]}}
+        adamw["betas"] = tuple(adamw["betas"])
+        common = dict(semantic_group_name=group_name)
+        lowered.append({"params": muon_params, **muon, **common, "group_name": f"{group_name}/muon",
+                        "subgroup_type": "muon", "use_muon": True})
+        lowered.append({"params": adamw_params, **adamw, **common, "group_name": f"{group_name}/adamw",
+                        "subgroup_type": "adamw", "use_muon": False})
+    missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"param_groups leaves out {missing[:8]}{' and more' if len(missing) > 8 else ''}: every trainable "
+            "parameter must be in one group (add a group of the rest)"
+        )
+    return lowered
+
+
+def _check_group(group: dict) -> None:
+    """A lowered group's hyperparameters: Muon's, or AdamW's with an eps its parameters' dtype can hold."""
+    if group["use_muon"]:
+        single_device.check_hyperparameters(group)
+    else:
+        _check_adamw_hyperparameters(group)
+        _check_adamw_eps_fits(group["eps"], {p.dtype for p in group["params"]})
 
 
 def _check_adamw_hyperparameters(h: dict) -> None:

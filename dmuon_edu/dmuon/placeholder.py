@@ -93,7 +93,11 @@ class DedicatedParameter(nn.Parameter):
         return (
             f"{self._dmuon_name} is owned by rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy of it "
             f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
-            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner_rank}"
+            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner_rank}. "
+            "If the read is in the model's forward, a module reads the matrix without calling the module that holds "
+            "it (nn.MultiheadAttention reads out_proj.weight so), and dmuon hooks the wrong one: pass dedicate_params "
+            "a hook_boundary_predicate that selects the module whose forward reads it, e.g. "
+            "lambda m: isinstance(m, nn.MultiheadAttention)"
         )
 
 

@@ -1,4 +1,4 @@
-"""State dicts, and clip_grad_norm_.
+"""State dicts: the model's and the optimizer's, full or sharded, keyed by wrapper-free names.
 
 Two ways to checkpoint, as in the public dmuon project:
 
@@ -11,14 +11,19 @@ Two ways to checkpoint, as in the public dmuon project:
   parameters are then DTensor shards (full tensors with ``full_state_dict=True``), and
   DCP reshards them across world sizes.
 
-Either way keys are parameter names (FQNs) and dedicated matrices are full plain tensors
-(their owner broadcasts them), i.e. replicated, which torch.distributed.checkpoint saves
-once. The optimizer's: ``{"state": {fqn: {...}}, "param_groups": [muon group, adamw
-group]}``, each group with its hyperparameters and ``"params": [fqn, ...]``. A dedicated
-matrix's ``momentum_buffer`` is keyed by its name, whoever owns it, so a checkpoint does
-not depend on the world size or the plan: after a resume on another number of ranks each
-new owner picks up its matrices' momentum. AdamW's ``exp_avg``/``exp_avg_sq`` follow the
-model's parameters (shards or full), ``step`` is a scalar.
+Either way keys are parameter names (FQNs, without the segments that checkpoint_wrapper
+and torch.compile insert: names.py, as torch.distributed.checkpoint does; a checkpoint
+saved with the wrappers loads without them and the reverse) and dedicated matrices are
+full plain tensors (their owner broadcasts them), i.e. replicated, which
+torch.distributed.checkpoint saves once. The optimizer's: ``{"state": {fqn: {...}},
+"param_groups": [...]}``, dmuon.Muon's groups in order (a Muon and an AdamW group per
+``param_groups`` entry), each with its hyperparameters and ``"params": [fqn, ...]``. A
+dedicated matrix's state (``momentum_buffer``; with route "adamw", AdamW's ``exp_avg``,
+``exp_avg_sq`` and ``step``) is keyed by its name and full, whoever owns it, so a
+checkpoint does not depend on the world size or the plan: after a resume on another
+number of ranks each new owner picks up its matrices' state. AdamW's
+``exp_avg``/``exp_avg_sq`` of the other parameters follow the model's parameters (shards
+or full), ``step`` is a scalar.
 
 Getting a state dict is a collective: every rank must call it, in the same order.
 """
@@ -32,10 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 from dmuon_edu.arguments import describe
 
 from .dedicate import DMuonState, state_of
+from .names import fqn
 from .optim import Muon
 
 __all__ = [
@@ -44,7 +51,6 @@ __all__ = [
     "set_model_state_dict",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
-    "clip_grad_norm_",
 ]
 
 
@@ -83,12 +89,14 @@ def _kept(state: DMuonState, rank0_only: bool) -> bool:
     return not rank0_only or dist.get_rank() == 0
 
 
-def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None) -> torch.Tensor:
-    """A full copy of a dedicated tensor on every rank: ``value`` is the owner's (ignored elsewhere).
+def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None, shape=None, dtype=None) -> torch.Tensor:
+    """A full copy of a tensor of a dedicated parameter's on every rank, on the mesh's device: ``value`` is the
+    owner's (ignored elsewhere), of ``shape`` and ``dtype`` (default: the parameter's).
     With a replicate mesh the owner first sends it to the holders of the other replicas."""
     owner = state.owner_of(p)
-    buffer = (value.detach().clone() if state.runs_muon(p)
-              else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
+    shape = p._dmuon_shape if shape is None else shape
+    buffer = (value.detach().to(state.mesh_device, copy=True) if state.steps(p)
+              else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
     if state.replicas > 1 and state.owns(p):
         with state.replicate_order.collective(f"the state dict's broadcast of {state.name_of[p]} from replica "
                                               f"{p._dmuon_replica}"):
@@ -147,9 +155,9 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
         if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
             if id(value) not in fetched:
-                fetched[id(value)] = _full(state, value, value._dmuon_master if state.runs_muon(value) else None)
+                fetched[id(value)] = _full(state, value, value._dmuon_master if state.steps(value) else None)
             value = fetched[id(value)]
-        result[name] = _out(value.detach(), options)
+        result[fqn(name)] = _out(value.detach(), options)
     return result if _kept(state, rank0_only) else {}
 
 
@@ -157,15 +165,16 @@ def _is_dedicated(state: DMuonState, tensor: torch.Tensor) -> bool:
     return any(tensor is p for p in state.params.values())
 
 
-def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], options: StateDictOptions | None = None):
-    """Load ``model_state_dict`` (sharded or full, any world size's) into the model; a collective in effect.
+def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions | None = None):
+    """Load ``state_dict`` (sharded or full, any world size's) into the model; a collective in effect.
 
     Each owner copies in its dedicated matrices, every rank its FSDP2 shards; non-owner
     copies are dropped, so the next forward broadcasts the loaded values.
 
     Args:
         model: a model prepared with ``dedicate_params`` (and ``fully_shard``).
-        model_state_dict: as :func:`get_model_state_dict` returns it, on any world size.
+        state_dict: as :func:`get_model_state_dict` returns it, on any world size (keys
+            with wrapper segments are read without them).
         options: ``StateDictOptions``; with ``strict`` (the default) the keys must match.
 
     Returns:
@@ -173,29 +182,31 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
 
     Raises:
         RuntimeError: with ``strict``, the keys differ from the model's.
-        TypeError: ``model_state_dict`` is not a dict of tensors.
+        TypeError: ``state_dict`` is not a dict of tensors.
         ValueError: the model has no dedicated parameters, ``options`` asks for
             something unsupported, or a tensor's shape is not the model's. Nothing is
             loaded then.
     """
     options, _ = _options(options)
     state = state_of(model)
-    if not isinstance(model_state_dict, dict):
-        raise TypeError(f"model_state_dict must be a dict {{name: tensor}}, as dmuon.get_model_state_dict returns, "
-                        f"got {describe(model_state_dict)}")
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict {{name: tensor}}, as dmuon.get_model_state_dict returns, "
+                        f"got {describe(state_dict)}")
     state.wait_published()  # or a publish still on its way would overwrite the loaded values
-    targets = model.state_dict(keep_vars=True)  # the parameters themselves: no read of a placeholder
-    missing = [k for k in targets if k not in model_state_dict]
-    unexpected = [k for k in model_state_dict if k not in targets]
+    # the parameters themselves (keep_vars: no read of a placeholder)
+    targets = {fqn(k): v for k, v in model.state_dict(keep_vars=True).items()}
+    incoming = {fqn(k): v for k, v in state_dict.items()}
+    missing = [k for k in targets if k not in incoming]
+    unexpected = [k for k in incoming if k not in targets]
     if options.strict and (missing or unexpected):
         raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
     for name, target in targets.items():  # every value checked before the first copy
-        if name in model_state_dict:
-            _require_tensor_like(model_state_dict[name], target.shape, name)
+        if name in incoming:
+            _require_tensor_like(incoming[name], target.shape, name)
     for name, target in targets.items():
-        if name not in model_state_dict:
+        if name not in incoming:
             continue
-        value = model_state_dict[name].detach()  # a state dict of parameters may track gradients
+        value = incoming[name].detach()  # a state dict of parameters may track gradients
         if _is_dedicated(state, target):
             if state.owns(target):
                 _copy_into(target._dmuon_master, value)
@@ -206,7 +217,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], opt
 
 
 def _names(model: nn.Module) -> dict[nn.Parameter, str]:
-    return {p: name for name, p in model.named_parameters()}
+    return {p: fqn(name) for name, p in model.named_parameters()}
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDictOptions | None = None, *,
@@ -219,10 +230,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
         options, cpu_offload, rank0_only: as in :func:`get_model_state_dict`.
 
     Returns:
-        ``{"state": {name: {...}}, "param_groups": [muon group, adamw group]}``: each
-        dedicated matrix's ``momentum_buffer`` as a full tensor, AdamW's moments like the
-        model's parameters (shards, or full tensors), each group's hyperparameters with
-        ``"params"`` as names. An empty dict on ranks other than 0 with ``rank0_only``.
+        ``{"state": {name: {...}}, "param_groups": [...]}``: each dedicated matrix's state
+        (``momentum_buffer``, or AdamW's for one routed to AdamW) as full tensors, AdamW's
+        moments of the other parameters like the model's parameters (shards, or full
+        tensors), each group's hyperparameters with ``"params"`` as names. An empty dict
+        on ranks other than 0 with ``rank0_only``.
 
     Raises:
         TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``, or both
@@ -233,11 +245,15 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
     _check_optimizer(optimizer, state)
     names = _names(model)
     result: dict[str, dict] = {}
-    for name, p in state.params.items():
-        buf = optimizer._muon.state[p]["momentum_buffer"] if state.runs_muon(p) else None
-        result[name] = {"momentum_buffer": _out(_full(state, p, buf), options)}
-    for p in optimizer.adamw_group["params"]:
-        result[names[p]] = {k: _out(v, options) for k, v in optimizer._adamw.state[p].items()}
+    for group in optimizer.param_groups:  # the same order on every rank: the groups look alike everywhere
+        for p in group["params"]:
+            if p not in state.name_of:
+                result[names[p]] = {k: _out(v, options) for k, v in optimizer._adamw.state[p].items()}
+                continue
+            mine = optimizer.inner_optimizer_of(p).state[p] if state.steps(p) else {}
+            templates = _DEDICATED_STATE[group["subgroup_type"]](p)
+            result[state.name_of[p]] = {key: _out(_full(state, p, mine.get(key), shape, dtype), options)
+                                        for key, (shape, dtype) in templates.items()}
     groups = [
         {**{k: group[k] for k in group if k != "params"}, "params": [names[p] for p in group["params"]]}
         for group in optimizer.param_groups
@@ -245,33 +261,47 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
     return {"state": result, "param_groups": groups} if _kept(state, rank0_only) else {}
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict: dict,
-                             options: StateDictOptions | None = None) -> None:
-    """Load ``optim_state_dict`` (as :func:`get_optimizer_state_dict` returns it, any world size's) in place.
+# A dedicated matrix's optimizer state, by its group's optimizer: {key: (shape, dtype)}.
+_DEDICATED_STATE = {
+    "muon": lambda p: {"momentum_buffer": (p._dmuon_shape, p._dmuon_dtype)},
+    "adamw": lambda p: {"step": ((), _get_scalar_dtype()), "exp_avg": (p._dmuon_shape, p._dmuon_dtype),
+                        "exp_avg_sq": (p._dmuon_shape, p._dmuon_dtype)},
+}
 
-    Each owner takes its matrices' momentum, whoever owned them when it was saved;
-    every rank takes its AdamW shards; both groups take the saved hyperparameters.
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict,
+                             options: StateDictOptions | None = None) -> None:
+    """Load ``state_dict`` (as :func:`get_optimizer_state_dict` returns it, any world size's) in place.
+
+    Each owner takes its matrices' state, whoever owned them when it was saved; every
+    rank takes its AdamW shards; the groups take the saved hyperparameters.
 
     Raises:
         TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``, or
-            ``optim_state_dict`` is not an optimizer state dict.
+            ``state_dict`` is not an optimizer state dict.
+        RuntimeError: with ``strict`` (the default), a parameter's state is missing, or
+            the state dict has another number of param groups.
         ValueError: a momentum buffer holds NaN or Inf, or a state tensor's shape is not
             its parameter's. Nothing is loaded then.
-        RuntimeError: with ``strict`` (the default), a parameter's state is missing.
     """
     options, _ = _options(options)
     state = state_of(model)
     _check_optimizer(optimizer, state)
-    if not (isinstance(optim_state_dict, dict) and isinstance(optim_state_dict.get("state"), dict)
-            and isinstance(optim_state_dict.get("param_groups"), list)):
-        raise TypeError("optim_state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' "
-                        f"and 'param_groups', got {describe(optim_state_dict)}")
+    if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list)):
+        raise TypeError("state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' "
+                        f"and 'param_groups', got {describe(state_dict)}")
     names = _names(model)
-    saved = optim_state_dict["state"]
+    saved = {fqn(k): v for k, v in state_dict["state"].items()}
     expected = [names[p] for group in optimizer.param_groups for p in group["params"]]
     missing = [n for n in expected if n not in saved]
     if missing and options.strict:
         raise RuntimeError(f"optimizer state dict lacks the state of {missing}")
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups) and options.strict:
+        raise RuntimeError(
+            f"the optimizer state dict has {len(state_dict['param_groups'])} param groups and this optimizer "
+            f"{len(optimizer.param_groups)}: build dmuon.Muon with the param_groups it was saved with"
+        )
     for name, p in state.params.items():  # full tensors, the same on every rank: every rank refuses alike, before any copy
         buffer = saved.get(name, {}).get("momentum_buffer")
         if isinstance(buffer, torch.Tensor) and not bool(buffer.isfinite().all()):
@@ -280,20 +310,22 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, optim_state_dict
                 "of it would be NaN. Load a checkpoint from before the divergence, or leave the optimizer state out "
                 "(momentum restarts from zero)"
             )
-        if name in saved:
-            _require_tensor_like(buffer, p._dmuon_shape, f"the momentum buffer of {name}")
-    for p in optimizer.adamw_group["params"]:
-        for key, target in optimizer._adamw.state[p].items():
-            if names[p] in saved:
-                _require_tensor_like(saved[names[p]].get(key), target.shape, f"the {key} of {names[p]}")
-    for name, p in state.params.items():
-        if name in saved and state.runs_muon(p):
-            _copy_into(optimizer._muon.state[p]["momentum_buffer"], saved[name]["momentum_buffer"])
-    for p in optimizer.adamw_group["params"]:
-        for key, target in optimizer._adamw.state[p].items():
-            if names[p] in saved:
-                _copy_into(target, saved[names[p]][key])
-    for group, saved_group in zip(optimizer.param_groups, optim_state_dict["param_groups"]):
+        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):  # a dedicated matrix's state is the whole matrix's
+            if key in saved.get(name, {}):
+                _require_tensor_like(saved[name][key], p._dmuon_shape, f"the {key.replace('_', ' ')} of {name}")
+    loads = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[p]
+            if name not in saved or (p in state.name_of and not state.steps(p)):
+                continue
+            inner = optimizer._adamw if p not in state.name_of else optimizer.inner_optimizer_of(p)
+            for key, target in inner.state[p].items():
+                _require_tensor_like(saved[name].get(key), target.shape, f"the {key.replace('_', ' ')} of {name}")
+                loads.append((target, saved[name][key]))
+    for target, value in loads:
+        _copy_into(target, value)
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
@@ -310,70 +342,3 @@ def _require_tensor_like(value, shape: torch.Size, where: str) -> None:
 def _check_optimizer(optimizer, state: DMuonState) -> None:
     if not isinstance(optimizer, Muon) or optimizer._dmuon is not state:
         raise TypeError("pass the dmuon.Muon optimizer that was built for this model")
-
-
-def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float) -> torch.Tensor:
-    r"""Scale gradients so that their global 2-norm is at most ``max_norm``; a collective.
-
-    .. math::
-
-        \lVert g \rVert = \Bigl(\sum_{\text{ranks}} \sum_{g \text{ held}} \lVert g \rVert_2^2\Bigr)^{1/2},
-        \qquad g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{\lVert g \rVert + 10^{-6}}\Bigr)
-
-    Two forms:
-
-    - ``clip_grad_norm_(model, max_norm)``: every gradient, the owners' reduced dedicated
-      gradients and every FSDP2 gradient shard (a plain replicated gradient counts once):
-      the same norm and scaling as torch.nn.utils.clip_grad_norm_ in one process with
-      the full gradients.
-    - ``clip_grad_norm_(optimizer, max_norm)``, the public dmuon project's form: the Muon
-      (dedicated) gradients only; clip the others with torch's own clip_grad_norm_.
-
-    Call it after the last backward of the window, outside no_sync.
-
-    Args:
-        model_or_optimizer: a model prepared with ``dedicate_params``, or its dmuon.Muon.
-        max_norm: the largest allowed global norm, a finite number > 0.
-
-    Returns:
-        The global norm before clipping, a scalar float32 tensor (the same on every rank).
-
-    Raises:
-        ValueError: ``max_norm`` is not a finite number > 0, or the model has no
-            dedicated parameters.
-        TypeError: neither a model nor a dmuon.Muon was given.
-        RuntimeError: called inside no_sync, or with gradients not reduced yet.
-    """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < float("inf"):
-        raise ValueError(
-            f"max_norm must be a finite number > 0, got {max_norm!r}: 0 would zero every gradient and a negative "
-            "one would flip every gradient; 1.0 is the usual value"
-        )
-    if isinstance(model_or_optimizer, Muon):
-        state, model = model_or_optimizer._dmuon, None
-    elif isinstance(model_or_optimizer, nn.Module):
-        state, model = state_of(model_or_optimizer), model_or_optimizer
-    else:
-        raise TypeError(f"clip_grad_norm_ takes the model or its dmuon.Muon, got {type(model_or_optimizer).__name__}")
-    if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
-        raise RuntimeError(
-            "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
-            "which runs outside no_sync"
-        )
-    dedicated = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]  # on owners
-    shards, replicated = [], []
-    for p in model.parameters() if model is not None else ():
-        if not _is_dedicated(state, p) and p.grad is not None:
-            (shards if isinstance(p.grad, DTensor) else replicated).append(p.grad)
-    # Count each gradient once: a shard is the same in every replica, a plain gradient on every rank.
-    counted = dedicated + (shards if state.replica == 0 else []) + (replicated if dist.get_rank() == 0 else [])
-    squares = torch.zeros((), dtype=torch.float32, device=state.mesh_device)
-    for g in counted:
-        squares += (g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
-    with state.order.collective("clip_grad_norm_'s all-reduce of squared gradient norms"):
-        dist.all_reduce(squares, group=state.everyone)
-    total = squares.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in dedicated + shards + replicated:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(scale.to(g.dtype))
-    return total

@@ -1,9 +1,9 @@
 """Many dmuon checks in one torchrun launch (tests/test_dmuon.py launches it on 2 and 4 ranks).
 
-    torchrun --nproc-per-node=2 tests/dist/dmuon_checks.py CHECKPOINT_DIR
+    CHECKS_FILE=checks.jsonl torchrun --nproc-per-node=2 tests/dist/dmuon_checks.py CHECKPOINT_DIR MARKS_DIR
 
-Rank 0 prints one line per check, ``CHECK {json}``, with the measured quantities; the
-test file holds the tolerances and asserts. Every rank builds the same global data
+Rank 0 writes one JSON record per check, with the measured quantities, into the file
+CHECKS_FILE names (check_channel.py); the test file holds the tolerances and asserts. Every rank builds the same global data
 from a seed and takes its own slice, so rank 0 can train the single-process reference
 locally: a plain copy of the model on the whole global batch, dmuon_edu.muon.Muon
 (float32 Newton-Schulz) on the dedicated matrices and torch.optim.AdamW on the rest.
@@ -14,8 +14,9 @@ import contextlib
 import copy
 import datetime
 import io
-import json
 import sys
+import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,13 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+import check_channel
 from dmuon_edu import distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
+from dmuon_edu.dmuon.names import fqn
 from dmuon_edu.dmuon.placeholder import is_resident
+from dmuon_edu.newton_schulz import newton_schulz
 
 IN, D, H, OUT, LAYERS = 5, 16, 32, 3, 3
 HYPER = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original", ns_steps=5)
@@ -62,6 +67,8 @@ class Net(nn.Module):
         super().__init__()
         self.checkpointed = checkpointed  # non-reentrant activation checkpointing of every layer
         self.dropped = set()  # layers this rank skips, as LayerDrop would with a per-rank random draw
+        self.run_order = None  # the order this rank runs the layers in (None: 0, 1, 2, ...)
+        self.boxed = False  # return the output in an object FSDP2 does not look into, as model(...).loss would
         self.embed = nn.Linear(IN, D)  # 2-D but not selected: AdamW
         self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.head = nn.Linear(D, OUT)  # 3 rows over 4 ranks: uneven FSDP2 shards
@@ -70,15 +77,41 @@ class Net(nn.Module):
 
     def forward(self, x):
         x = self.embed(x)
-        for i, layer in enumerate(self.layers):
+        for i in self.run_order or range(len(self.layers)):
             if i in self.dropped:
                 continue
+            layer = self.layers[i]
             x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
-        return self.head(x)
+        return Boxed(self.head(x)) if self.boxed else self.head(x)
+
+
+class Boxed:
+    def __init__(self, value):
+        self.value = value
+
+
+class Pooled(nn.Module):
+    """nn.MultiheadAttention at the root, which reads out_proj.weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(1, D)  # each sample becomes a sequence of IN tokens
+        self.pool = nn.MultiheadAttention(D, 2, bias=False, batch_first=True)  # no bias: its key part has a zero gradient, noise that AdamW would scale up
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x):
+        h = self.embed(x.unsqueeze(-1))
+        h, _ = self.pool(h, h, h, need_weights=False)
+        return self.head(h.mean(dim=1))
+
+
+def pooled_matrices(name, p):
+    return name.startswith("pool.") and p.ndim == 2  # in_proj_weight, out_proj.weight
 
 
 def report(name, **measured):
-    distributed.print0("CHECK " + json.dumps({"name": name, "nproc": dist.get_world_size(), **measured}))
+    if dist.get_rank() == 0:
+        check_channel.report({"name": name, "nproc": dist.get_world_size(), **measured})
 
 
 def window(step, rank, world):
@@ -106,16 +139,20 @@ def hsdp_mesh(device_type):
 
 
 def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False, hsdp=False,
-          replicate_async=True):
+          replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net(tied, checkpointed).to(mesh.device_type)
+    if wrapped:  # each block in a CheckpointWrapper: its names gain "_checkpoint_wrapped_module."
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     if hsdp:  # FSDP2 shards on the shard axis and replicates across; dmuon holds one copy per replica
         mesh2d = hsdp_mesh(mesh.device_type)
         dmuon.dedicate_params(model, mesh2d["shard"], predicate, reshard_after_forward=zero3,
                               replicate_mesh=mesh2d["replicate"])
         mesh = mesh2d
     else:
-        dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3)
+        dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3, **dedicate_kwargs)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **policy)
@@ -123,27 +160,69 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
     if compiled:  # per block; aot_eager: no C++ to compile on 2 cores
         for layer in model.layers:
             layer.compile(backend="aot_eager")
-    opt = dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                     adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"], replicate_async=replicate_async)
-    return model, opt
+    return model, muon_of(model, replicate_async=replicate_async, **(muon_kwargs or {}))
+
+
+def muon_of(model, **kwargs):
+    """dmuon.Muon with the checks' hyperparameters (float32 Newton-Schulz)."""
+    return dmuon.Muon(model, **HYPER, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+                      adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"], **kwargs)
+
+
+def reference_optimizers(ref, selects, muon_class=muon.Muon):
+    """The single-process reference's optimizers: Muon (float32 Newton-Schulz) on the matrices ``selects``
+    picks, AdamW on the rest."""
+    return [muon_class([p for n, p in ref.named_parameters() if selects(n, p)], **HYPER, ns_dtype=torch.float32),
+            torch.optim.AdamW([p for n, p in ref.named_parameters() if not selects(n, p)], **ADAMW)]
+
+
+def reference_step(ref, optimizers, step):
+    """One step of the single-process reference on step ``step``'s whole global batch, clipped like dmuon."""
+    _, (x, y), total = window(step, dist.get_rank(), dist.get_world_size())
+    F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    for o in optimizers:
+        o.step()
+        o.zero_grad()
+
+
+def train_side_by_side(model, opt, ref, ref_optimizers, steps=2):
+    """Train dmuon and the single-process reference (full batch, same clipping) at a constant lr; the max
+    |difference| of any parameter after each step, and the largest change of the reference's parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    max_diff = 0.0
+    for step in range(steps):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+        reference_step(ref, ref_optimizers, step)
+        ours = full_params(model)
+        max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+    moved = max((p.detach() - initial[n]).abs().max().item() for n, p in ref.named_parameters())
+    return max_diff, moved
 
 
 def schedule(step):
     return 1.0 / (1.0 + step)
 
 
-def train_window(model, opt, sched, mine, total, use_no_sync):
+def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False):
+    """One optimizer step over this rank's micro-batches (the forward under bf16 autocast with ``autocast``);
+    the global gradient norm before clipping."""
     world = dist.get_world_size()
     for j, (x, y) in enumerate(mine):
         ctx = dmuon.no_sync(model) if use_no_sync and j < K - 1 else contextlib.nullcontext()
         with ctx:
-            loss = F.mse_loss(model(x), y, reduction="sum") * world / (total * OUT)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+                out = model(x)
+            loss = F.mse_loss(out.float(), y, reduction="sum") * world / (total * OUT)
             loss.backward()
     norm = dmuon.clip_grad_norm_(model, MAX_NORM)
     opt.step()
     sched.step()
     opt.zero_grad()
-    return norm.item()
+    return norm.total_norm.item()
 
 
 def dedicated_bytes(model):
@@ -166,7 +245,8 @@ def step_both_and_compare(trained, resumed):
 
 def full_params(model):
     sd = dmuon.get_model_state_dict(model, dmuon.StateDictOptions(full_state_dict=True))
-    return {k: v.cpu() for k, v in sd.items() if k in dict(model.named_parameters())}
+    names = {fqn(n) for n, _ in model.named_parameters()}
+    return {k: v.cpu() for k, v in sd.items() if k in names}
 
 
 def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, hsdp=False):
@@ -210,7 +290,8 @@ def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, 
     report(f"equivalence_{label}", max_abs_diff=max_diff, largest_change=moved, steps=STEPS, k=K,
            clip_norm_rel_diff=max_norm_rel, clipped_steps=int(clipped))
     comm_all = per_rank(comm)
-    report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync)
+    plan = per_rank(dmuon.summarize_comm_plan(model)["totals"])
+    report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync, plan=plan)
     report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in per_rank(storage)))
 
 
@@ -266,18 +347,32 @@ def check_compiled(mesh):
            graphs_after_each_step=graphs)
 
 
-def check_mixed_precision(mesh, zero3):
-    """FSDP2's bf16 policy with dedicated matrices, against one process computing in the same precision.
+def check_mixed_precision(mesh, zero3, via_compute_dtype=False):
+    """bf16 compute with dedicated matrices, against one process computing in the same precision: FSDP2's
+    bf16 policy, or (``via_compute_dtype``) dedicate_params' compute_dtype, in the public positional order,
+    without a policy and with the forward under autocast.
 
-    The reference runs every rank's micro-batches in turn through a bf16 copy of its float32
-    master model (FSDP2 casts parameters and inputs to param_dtype), sums the bf16 gradients
-    in float32 and averages over ranks (reduce_dtype), then steps float32 Muon and AdamW:
-    the same arithmetic as the distributed run, in another order of float32 sums, so the
-    float32 tolerance applies.
+    The reference runs every rank's micro-batches in turn, with the same shapes, through a bf16 copy of its
+    float32 master model (FSDP2 casts parameters and inputs to param_dtype), or through the float32 model
+    under autocast, sums the bf16 gradients in float32 and averages over ranks (reduce_dtype), then steps
+    float32 Muon and AdamW: the same arithmetic as the distributed run, in another order of float32 sums,
+    so the float32 tolerance applies. It applies while both sides round the same float32 masters to bf16: a
+    master that differs by 1e-7 can round to the neighbouring bf16 value (1 part in 256) at a later step. The
+    compute_dtype run is compared after its first step (the initial masters are the same), where that cannot
+    happen.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model, opt = build(mesh, zero3, mp_policy=policy)
+    if via_compute_dtype:
+        torch.manual_seed(0)
+        model = Net().to(mesh.device_type)
+        dmuon.dedicate_params(model, mesh, predicate, torch.bfloat16, zero3)  # (model, mesh, predicate, compute_dtype, reshard_after_forward)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = muon_of(model)
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model, opt = build(mesh, zero3, mp_policy=policy)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     state = model._dmuon
     seen = set()
@@ -288,16 +383,18 @@ def check_mixed_precision(mesh, zero3):
     ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if not predicate(n, p)], **ADAMW)
     ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (ref_muon, ref_adamw)]
     max_diff, broadcast_bytes = 0.0, None
-    for step in range(STEPS):
+    for step in range(1 if via_compute_dtype else STEPS):
         mine, _, total = window(step, rank, world)
         with dmuon.count_comm() as counts:
-            train_window(model, opt, sched, mine, total, use_no_sync=True)
+            train_window(model, opt, sched, mine, total, use_no_sync=True, autocast=via_compute_dtype)
         broadcast_bytes = broadcast_bytes or counts.bytes.get("broadcast", 0)
-        low = copy.deepcopy(ref).to(torch.bfloat16)
+        low = copy.deepcopy(ref) if via_compute_dtype else copy.deepcopy(ref).to(torch.bfloat16)
         summed = [torch.zeros_like(p) for p in ref.parameters()]
         for r in range(world):
             for x, y in window(step, r, world)[0]:
-                loss = F.mse_loss(low(x.to(torch.bfloat16)), y, reduction="sum") * world / (total * OUT)
+                with torch.autocast("cpu", dtype=torch.bfloat16) if via_compute_dtype else contextlib.nullcontext():
+                    out = low(x if via_compute_dtype else x.to(torch.bfloat16))
+                loss = F.mse_loss(out.float(), y, reduction="sum") * world / (total * OUT)
                 loss.backward()
                 for acc, q in zip(summed, low.parameters()):
                     acc.add_(q.grad.float())
@@ -314,7 +411,16 @@ def check_mixed_precision(mesh, zero3):
         max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
     owned = [p for p in state.params.values() if state.owns(p)]
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
-    report(f"mixed_precision_{'z3' if zero3 else 'z2'}", max_abs_diff=max_diff, largest_change=moved,
+    refused = None
+    if via_compute_dtype:  # a compute_dtype other than the policy's param_dtype: refused when Muon is built
+        torch.manual_seed(0)
+        other = Net().to(mesh.device_type)
+        dmuon.dedicate_params(other, mesh, predicate, torch.float16)
+        for module in [*other.layers, other]:
+            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        refused = per_rank(error_of(lambda: muon_of(other)))
+    report(f"{'compute_dtype' if via_compute_dtype else 'mixed_precision'}_{'z3' if zero3 else 'z2'}",
+           max_abs_diff=max_diff, largest_change=moved, refused=refused,
            forward_dtypes=sorted(seen),
            master_dtypes=sorted({str(p.dtype) for p in owned}),
            momentum_dtypes=sorted({str(opt._muon.state[p]["momentum_buffer"].dtype) for p in owned}),
@@ -327,11 +433,12 @@ PUBLIC_ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, eps
 
 
 def check_public_api(mesh, directory):
-    """The public project's defaults, its checkpoint flow, its clip_grad_norm_(optimizer, ...) form."""
+    """The public project's defaults, positional order and argument names, its checkpoint flow, its
+    clip_grad_norm_(optimizer, ...) form with its statistics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     plain = Net().to(mesh.device_type)
-    dmuon.dedicate_params(plain, mesh, predicate)
+    dmuon.dedicate_params(plain, mesh, predicate, None, True, None)  # compute_dtype, reshard_after_forward, replicate_mesh
     for layer in plain.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(plain, mesh=mesh)
@@ -356,8 +463,8 @@ def check_public_api(mesh, directory):
     fresh, fresh_opt = build(mesh, zero3=True, seed=123)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)  # before the load: it sets lr
     fresh_sched.load_state_dict(sched.state_dict())
-    dmuon.set_model_state_dict(fresh, loaded["model"])
-    dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
+    dmuon.set_model_state_dict(fresh, state_dict=loaded["model"])  # the public argument names
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, state_dict=loaded["optim"])
     restored = max_difference(model, fresh)
     continued = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
 
@@ -368,20 +475,35 @@ def check_public_api(mesh, directory):
     b = full_params(fresh)
     from_tracking = max((b[n] - q.detach().cpu()).abs().max().item() for n, q in source.named_parameters())
 
-    # clip_grad_norm_(optimizer, ...): the Muon gradients only, against the reference's full-batch gradients.
+    # clip_grad_norm_(optimizer, None): the Muon gradients only, measured, nothing scaled; the model form with
+    # other norms; against the reference's full-batch gradients.
     mine, (x, y), total = window(0, rank, world)
     for xb, yb in mine:
         (F.mse_loss(model(xb), yb, reduction="sum") * world / (total * OUT)).backward()
-    muon_norm = dmuon.clip_grad_norm_(opt, 1e9).item()
+    before = [p._reduced_grad.clone() for p in opt._owned]
+    stats = opt.clip_grad_norm_(None)  # the public method, i.e. dmuon.clip_grad_norm_(opt, None)
+    unchanged = all(torch.equal(b, p._reduced_grad) for b, p in zip(before, opt._owned))
+    inf_norm = dmuon.clip_grad_norm_(model, None, norm_type=float("inf")).total_norm.item()
+    full_norm = dmuon.clip_grad_norm_(model, None).total_norm.item()
     opt.zero_grad()
     ref = _reference_at(full_params(model))
     F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
     ref_muon_norm = torch.stack([p.grad.norm() for n, p in ref.named_parameters() if predicate(n, p)]).norm().item()
+    ref_full_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
+    ref_inf_norm = max(p.grad.abs().max().item() for p in ref.parameters())
     report("public_api", muon_group=muon_group, adamw_group=adamw_group,
            public_defaults=PUBLIC_DEFAULTS, public_adamw_defaults={**PUBLIC_ADAMW_DEFAULTS, "betas": [0.9, 0.999]},
            full_on_cpu=on_cpu, kept_per_rank=per_rank(kept), restored_max_diff=restored,
            continued_max_diff=continued, from_tracking_max_diff=from_tracking,
-           muon_norm_rel_diff=abs(muon_norm - ref_muon_norm) / ref_muon_norm)
+           muon_norm_rel_diff=abs(stats.total_norm.item() - ref_muon_norm) / ref_muon_norm,
+           full_norm_rel_diff=abs(full_norm - ref_full_norm) / ref_full_norm,
+           inf_norm_rel_diff=abs(inf_norm - ref_inf_norm) / ref_inf_norm,
+           stats=per_rank({"fields": sorted(stats.as_dict()), "max_norm": stats.max_norm, "norm_type": stats.norm_type,
+                           "clip_coef": float(stats.clip_coef), "clipped": bool(stats.clipped),
+                           "param_count": stats.param_count, "owned_muon": len(opt._owned),
+                           "found_inf": bool(stats.found_inf), "strategy": stats.strategy,
+                           "zero_dim": all(getattr(stats, f).ndim == 0 for f in ("total_norm", "found_inf")),
+                           "kept": opt.last_muon_grad_clip_stats is stats, "unchanged": unchanged}))
 
 
 def _reference_at(params):
@@ -576,7 +698,7 @@ def error_of(fn):
     try:
         fn()
         return None
-    except RuntimeError as error:
+    except (RuntimeError, ValueError, TypeError) as error:
         return str(error)
 
 
@@ -703,6 +825,253 @@ def check_state_dict(mesh, directory):
            lr_after=[g["lr"] for g in fresh_opt.param_groups], lr_expected=[g["lr"] for g in opt.param_groups])
 
 
+def check_hook_boundaries(mesh):
+    """nn.MultiheadAttention at the root, its matrices dedicated: with hook_boundary_predicate it trains in Z3
+    and Z2 like one process; without, the non-owner's first forward refuses the read, naming the fix; a
+    predicate that matches nothing is refused at once (strict); a resolver chooses the module."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = {}
+    for zero3 in (True, False):
+        torch.manual_seed(0)
+        model = Pooled().to(mesh.device_type)
+        dmuon.dedicate_params(model, mesh, pooled_matrices, reshard_after_forward=zero3,
+                              hook_boundary_predicate=lambda m: isinstance(m, nn.MultiheadAttention))
+        fully_shard(model, mesh=mesh)
+        opt = muon_of(model)
+        torch.manual_seed(0)
+        ref = Pooled()
+        diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, pooled_matrices))
+        result["z3" if zero3 else "z2"] = dict(max_abs_diff=diff, largest_change=moved,
+                                               units=[u.path for u in model._dmuon.units],
+                                               storage_ok=all(per_rank(_storage_ok(model))))
+    torch.manual_seed(0)
+    model = Pooled().to(mesh.device_type)
+    dmuon.dedicate_params(model, mesh, pooled_matrices)
+    fully_shard(model, mesh=mesh)
+    mine, _, _ = window(0, rank, world)
+    result["without_boundary"] = per_rank(error_of(lambda: model(mine[0][0])))
+    result["strict"] = per_rank(error_of(lambda: dmuon.dedicate_params(
+        Pooled(), mesh, pooled_matrices, hook_boundary_predicate=lambda m: False)))
+    torch.manual_seed(0)
+    model = Pooled().to(mesh.device_type)
+    dmuon.dedicate_params(model, mesh, pooled_matrices, hook_boundary_resolver=lambda name, p: model.pool)
+    result["resolver_units"] = [u.path for u in model._dmuon.units]
+    report("hook_boundaries", **result)
+
+
+def check_frozen(mesh):
+    """A frozen dedicated matrix (requires_grad=False, so no gradient hook) in Z3: freed after its layer's
+    backward like the others, unchanged by the steps, and the rest trains like one process."""
+    frozen = "layers.2.down_proj.weight"
+    model, opt = build(mesh, zero3=True, frozen=[frozen])
+    state = model._dmuon
+    last = [u for u in state.units if u.path == "layers.2"][0]
+    seen = []  # at the start of layer 0's backward: does this rank hold a matrix of layer 2 it does not own?
+
+    def look(_grad):
+        seen.append(any(is_resident(p) for p in last.params if not state.owns(p)))
+
+    def watch(_module, _args, output):
+        output.register_hook(look)
+
+    model.layers[0].register_forward_hook(watch)
+    torch.manual_seed(0)
+    ref = Net()
+    ref.get_parameter(frozen).requires_grad_(False)
+    before = ref.get_parameter(frozen).detach().clone()
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate))
+    report("frozen", max_abs_diff=diff, largest_change=moved, layer2_held_in_layer0_backward=per_rank(any(seen)),
+           looked=len(seen), frozen_change=(full_params(model)[frozen] - before).abs().max().item(),
+           storage_ok=all(per_rank(_storage_ok(model))))
+
+
+def grouped(model):
+    """Public-style semantic groups: no weight decay for 1-D parameters; other learning rates for matrices."""
+    return [{"params": [p for p in model.parameters() if p.ndim < 2], "group_name": "no_decay", "weight_decay": 0.0},
+            {"params": [p for p in model.parameters() if p.ndim == 2], "group_name": "rest", "muon_lr": 0.01,
+             "adamw_lr": 5e-3}]
+
+
+ROUTED = {"layers.0.k_proj.weight": "adamw", "layers.0.q_proj.weight": "sharded_adamw"}
+POLICY = {"overrides": [{"name": name.removesuffix(".weight"), "set": {"route": route}} for name, route in ROUTED.items()]}
+
+
+def check_param_groups(mesh):
+    """param_groups (per-group weight decay and learning rates) and param_policy routes ("adamw": the owner
+    steps the matrix with AdamW; "sharded_adamw": left to fully_shard) against one process with the same
+    groups; a resume of the AdamW-routed matrix's state; refusals by name."""
+    def make(seed):  # the groups are built from the model's parameters after fully_shard
+        model, _ = build(mesh, zero3=True, seed=seed, param_policy=POLICY)
+        return model, muon_of(model, param_groups=grouped(model))
+
+    model, opt = make(0)
+    torch.manual_seed(0)
+    ref = Net()
+    on_muon = lambda n, p: predicate(n, p) and n not in ROUTED  # noqa: E731
+    named = dict(ref.named_parameters())
+    ref_optimizers = [
+        muon.Muon([p for n, p in named.items() if on_muon(n, p)], **{**HYPER, "lr": 0.01}, ns_dtype=torch.float32),
+        torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
+                           {"params": [p for n, p in named.items() if p.ndim == 2 and not on_muon(n, p)], "lr": 5e-3}],
+                          **ADAMW)]
+    diff, moved = train_side_by_side(model, opt, ref, ref_optimizers)
+    kinds = {n: ("dedicated" if n in model._dmuon.params else "dtensor" if isinstance(p, DTensor) else "plain")
+             for n, p in model.named_parameters() if n in ROUTED}
+    # The AdamW-routed matrix's state (exp_avg, exp_avg_sq, step: full, by name) resumes bit-identically.
+    saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    weights = dmuon.get_model_state_dict(model, rank0_only=False)
+    fresh, fresh_opt = make(123)
+    dmuon.set_model_state_dict(fresh, weights)
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, saved)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 1.0)
+    continued = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
+    torch.manual_seed(0)
+    refusals = {
+        "unknown_key": error_of(lambda: muon_of(model, param_groups=[{"params": list(model.parameters()),
+                                                                       "betas": (0.9, 0.99)}])),
+        "left_out": error_of(lambda: muon_of(model, param_groups=grouped(model)[:1])),
+        "output_dtype": error_of(lambda: dmuon.dedicate_params(Net(), mesh, predicate, param_policy={
+            "defaults": {"output_dtype": "bf16"}})),
+        "master_dtype": error_of(lambda: dmuon.dedicate_params(Net(), mesh, predicate, param_policy={
+            "defaults": {"master_dtype": torch.bfloat16}})),
+    }
+    groups_summary, plan = dmuon.summarize_param_groups(model, opt), dmuon.summarize_comm_plan(model)
+    text = dmuon.format_summary(groups_summary) + dmuon.format_summary(plan)
+    summaries = per_rank({
+        "keys": sorted(groups_summary), "group_keys": sorted(groups_summary["groups"][0]),
+        "row_keys": sorted(groups_summary["parameters"][0]), "plan_keys": sorted(plan),
+        "plan_group_keys": sorted(plan["groups"][0]), "plan_total_keys": sorted(plan["totals"]),
+        "owned": groups_summary["owned_dedicated_param_count"], "dedicated": groups_summary["dedicated_param_count"],
+        "routes": {row["name"]: row["route"] for row in groups_summary["parameters"]},
+        "text_names_everything": all(name in text for name in [*(g["group_name"] for g in opt.param_groups),
+                                                                *(u.path for u in model._dmuon.units)])})
+    report("param_groups", max_abs_diff=diff, largest_change=moved, kinds=kinds, summaries=summaries,
+           groups=[g["group_name"] for g in opt.param_groups],
+           exp_avg_saved="exp_avg" in saved["state"]["layers.0.k_proj.weight"],
+           continued_max_diff=continued, refusals=per_rank_outcomes(refusals))
+
+
+def check_ns_backend(mesh):
+    """ns_backend=NewtonSchulz("direct", coefficients=POLAR_EXPRESS_COEFFICIENTS) against one process running
+    dmuon_edu.newton_schulz directly with those coefficients."""
+    class PolarExpressMuon(muon.Muon):
+        def _orthogonaliser(self, group):
+            return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS,
+                           dtype=group["ns_dtype"], gram_space=False)
+
+    backend = dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS)
+    model, opt = build(mesh, zero3=True, muon_kwargs={"ns_backend": backend})
+    torch.manual_seed(0)
+    ref = Net()
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate, PolarExpressMuon))
+    torch.manual_seed(0)
+    jordan = Net()  # the default coefficients, for scale: the comparison above must tell the two apart
+    jordan_optimizers = reference_optimizers(jordan, predicate)
+    for step in range(2):
+        reference_step(jordan, jordan_optimizers, step)
+    report("ns_backend", max_abs_diff=diff, largest_change=moved,
+           differs_from_jordan=max((a - b).abs().max().item() for a, b in zip(ref.parameters(), jordan.parameters())))
+
+
+def check_wrapped_checkpoints(mesh):
+    """A checkpoint saved with checkpoint_wrapper around every block resumes into the model without it, and
+    the reverse: the same keys, the same weights, and the same next step, bit for bit."""
+    result = {}
+    for saved_wrapped in (True, False):
+        model, opt = build(mesh, zero3=True, wrapped=saved_wrapped)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(2):
+            mine, _, total = window(step, dist.get_rank(), dist.get_world_size())
+            train_window(model, opt, sched, mine, total, use_no_sync=True)
+        saved = {"model": dmuon.get_model_state_dict(model, rank0_only=False),
+                 "optim": dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)}
+        fresh, fresh_opt = build(mesh, zero3=True, seed=123, wrapped=not saved_wrapped)
+        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+        fresh_sched.load_state_dict(sched.state_dict())
+        dmuon.set_model_state_dict(fresh, saved["model"])
+        dmuon.set_optimizer_state_dict(fresh, fresh_opt, saved["optim"])
+        keys = [*saved["model"], *saved["optim"]["state"]]
+        result["saved_wrapped" if saved_wrapped else "saved_plain"] = dict(
+            wrapper_in_keys=[k for k in keys if "_checkpoint_wrapped_module" in k],
+            restored_max_diff=max_difference(model, fresh),
+            continued_max_diff=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched)))
+    report("wrapped_checkpoints", **result)
+
+
+def check_partial_clip(mesh):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the FSDP2 gradients only: its norm is below the
+    global one, and step() warns on every rank; no warning without a clip or with dmuon's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(mesh, zero3=True)
+    # An output FSDP2's root does not look into: its last gradients are written in its end-of-backward callback,
+    # after dmuon's, which must not take that for a clip.
+    model.boxed = True
+    outcome, norms = {}, {}
+    for step, clip in enumerate(("none", "dmuon", "torch")):
+        mine, _, total = window(step, rank, world)
+        for x, y in mine:  # no no_sync: FSDP2 adds each backward's gradients into the ones before
+            (F.mse_loss(model(x).value, y, reduction="sum") * world / (total * OUT)).backward()
+        if clip == "dmuon":
+            dmuon.clip_grad_norm_(model, 1e-3)
+        if clip == "torch":
+            norms["global"] = dmuon.clip_grad_norm_(model, None).total_norm.item()
+            norms["torch"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.zero_grad()
+        outcome[clip] = [str(w.message) for w in caught if "FSDP2 gradients were scaled" in str(w.message)]
+    report("partial_clip", warned=per_rank_outcomes(outcome), **norms)
+
+
+def check_order_modes(mesh):
+    """order_check: "per_step" makes no store round trip after the first step; a divergence after it (rank 1
+    runs layers 1 and 2 swapped, resident in Z2: no dmuon collective notices) is refused at step() on every
+    rank, naming both layers; a wait that times out names the first differing event from the ranks' logs;
+    "off" makes none at all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+    outcome, trips = {}, {}
+    model, opt = build(short, zero3=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    order = model._dmuon.order
+    for step in range(2):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+        trips[f"after_step_{step}"] = order.round_trips
+    mine, _, total = window(2, rank, world)
+
+    def swapped_window():
+        for j, (x, y) in enumerate(mine):
+            model.run_order = [0, 2, 1] if rank == 1 and j == 1 else None
+            with dmuon.no_sync(model) if j < K - 1 else contextlib.nullcontext():
+                (F.mse_loss(model(x), y, reduction="sum") * world / (total * OUT)).backward()
+        opt.step()
+
+    outcome["step"] = error_of(swapped_window)
+    distributed.barrier()
+    model, opt = build(short, zero3=True)
+    train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
+                 use_no_sync=True)
+    state = model._dmuon
+    # Each rank waits in a broadcast from the other: both receive, both time out.
+    target = next(p for p in state.params.values() if not state.owns(p))
+    buffer = torch.empty(target._dmuon_shape)
+
+    def wait():
+        with state.order.collective(f"a test broadcast of {state.name_of[target]} from rank {state.owner_of(target)}"):
+            dist.broadcast(buffer, group=state.group, group_src=state.owner_of(target))
+
+    outcome["timeout"] = error_of(wait)
+    distributed.barrier()
+    model, opt = build(mesh, zero3=True, muon_kwargs={"order_check": "off"})
+    train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
+                 use_no_sync=True)
+    trips["off"] = model._dmuon.order.round_trips
+    report("order_modes", **per_rank_outcomes(outcome), round_trips=trips)
+
+
 def main():
     directory, atexit_marks = sys.argv[1], sys.argv[2]
     with distributed.session() as ranks:
@@ -736,7 +1105,16 @@ def main():
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
-        distributed.print0("ALL CHECKS RAN")
+            check_mixed_precision(mesh, zero3=True, via_compute_dtype=True)
+            check_hook_boundaries(mesh)
+            check_frozen(mesh)
+            check_param_groups(mesh)
+            check_ns_backend(mesh)
+            check_wrapped_checkpoints(mesh)
+            check_partial_clip(mesh)
+            check_order_modes(mesh)
+        if ranks.rank == 0:
+            check_channel.done()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ ACTION is one of (tests/test_reliability.py runs them):
 - ``misuse``: dmuon misuse that needs several ranks: a mesh that does not span the
   process group, stepping inside no_sync, non-finite gradients on one rank only.
 
-Rank 0 prints one ``CHECK {json}`` line per check. The global batch of every step is the
+Rank 0 writes one JSON record per check into the file CHECKS_FILE names (check_channel.py). The global batch of every step is the
 same whatever the world size (each rank takes a contiguous slice), and Newton-Schulz
 runs in float32, so runs on different world sizes differ only by the order of sums.
 """
@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import check_channel
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
 
@@ -135,7 +136,8 @@ def differences(a, b, path=""):
 
 def report(name, **measured):
     record = {"name": name, "nproc": dist.get_world_size(), **measured}
-    distributed.print0("CHECK " + json.dumps(record))
+    if dist.get_rank() == 0:
+        check_channel.report(record)
     return record
 
 
@@ -267,7 +269,8 @@ def main():
                 misuse(mesh)
             else:
                 raise ValueError(f"unknown action {action!r}")
-        distributed.print0("ALL CHECKS RAN")
+        if dist.get_rank() == 0:
+            check_channel.done()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""The Newton-Schulz choice of dmuon.Muon: the public dmuon project's ``ns_backend``, on dmuon_edu.newton_schulz.
+
+    dmuon.Muon(model, ns_backend="gram")                  # the default
+    dmuon.Muon(model, ns_backend="direct")
+    dmuon.Muon(model, ns_backend=dmuon.NewtonSchulz("gram", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS))
+
+What each part becomes here:
+
+- ``backend="gram"``: dmuon_edu.newton_schulz as it is: pairs of steps in Gram space
+  where the matrix's shape makes them pay, the last step direct (its docstring measures
+  the choice); ``"direct"``: every step directly, ``X <- a X + (b A + c A^2) X``.
+- ``coefficients``: one (a, b, c) per step; with more ``ns_steps`` than tuples the
+  last one repeats, with fewer only the first ``ns_steps`` are used. None is Keller
+  Jordan's tuple (torch.optim.Muon's), where the public project's None is
+  :data:`POLAR_EXPRESS_COEFFICIENTS`: dmuon equals dmuon_edu.Muon and torch.optim.Muon
+  by default. Pass :data:`POLAR_EXPRESS_COEFFICIENTS` for the public default's numbers.
+- ``kernel``: "auto" and "cublas" are torch's matmul, which is what runs; the public
+  project's CUDA SYRK kernels ("quack", "cute_sm80") are not here and are refused.
+  ``deterministic=True`` is the public alias of ``kernel="cublas"``.
+- ``restart_iterations``: None only; the Gram-space segments here are the pairs above.
+- The products run in ``ns_dtype`` ("auto": bf16 where the hardware multiplies it
+  natively, float32 elsewhere), where the public project uses fp16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, newton_schulz
+
+__all__ = ["NewtonSchulz", "POLAR_EXPRESS_COEFFICIENTS", "YOU_COEFFICIENTS", "as_backend"]
+
+# The public dmuon project's POLAR_EXPRESS_COEFFICIENTS: the Polar Express paper's five tuples, each scaled by a
+# 1.05 safety factor, p(x / 1.05).
+SAFETY_FACTOR = 1.05
+POLAR_EXPRESS_COEFFICIENTS = [_fold_input_margin(t, SAFETY_FACTOR) for t in POLAR_EXPRESS_PAPER]
+YOU_COEFFICIENTS = [list(t) for t in YOU]  # Jiacheng You's five tuples, as the public project lists them
+
+KERNELS = ("auto", "cublas")  # torch's matmul; the public project's SYRK kernels are absent
+
+
+class NewtonSchulz:
+    """The Newton-Schulz configuration of dmuon.Muon (see the module docstring).
+
+    Args:
+        backend: "gram" (the default) or "direct".
+        kernel: "auto" or "cublas" (both: torch's matmul).
+        coefficients: (a, b, c) tuples, one per step; None: Keller Jordan's.
+        restart_iterations: None.
+        deterministic: accepted, as the public alias of ``kernel="cublas"``.
+
+    Raises:
+        ValueError: an unknown backend or kernel, a SYRK kernel, restart iterations, or
+            coefficients that are not (a, b, c) tuples of numbers.
+        TypeError: ``deterministic`` is not a bool.
+    """
+
+    def __init__(self, backend: str = "gram", kernel: str = "auto",
+                 coefficients: Sequence[Sequence[float]] | None = None,
+                 restart_iterations: Sequence[int] | None = None, deterministic: bool = False):
+        if backend not in ("gram", "direct"):
+            raise ValueError(f"backend must be 'gram' or 'direct', got {backend!r}")
+        if kernel not in KERNELS:
+            absent = kernel in ("quack", "cute_sm80")
+            raise ValueError(
+                f"kernel={kernel!r}: " + ("the public project's CUDA SYRK kernels are not part of dmuon_edu; "
+                                          if absent else "unknown kernel; ") + "use 'auto' (torch's matmul)"
+            )
+        if restart_iterations is not None:
+            raise ValueError(
+                "restart_iterations cannot be chosen here: Gram-space steps run in pairs, the last step direct "
+                "(dmuon_edu.newton_schulz); pass None"
+            )
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+        if coefficients is not None:
+            coefficients = [tuple(t) for t in coefficients]
+            if not coefficients or not all(len(t) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                               for v in t) for t in coefficients):
+                raise ValueError(f"coefficients must be a non-empty sequence of (a, b, c) numbers, got {coefficients!r}")
+        self.backend, self.kernel, self.deterministic = backend, kernel, deterministic
+        self.coefficients, self.restart_iterations = coefficients, restart_iterations
+
+    def orthogonalise(self, G: torch.Tensor, steps: int, dtype: torch.dtype | str, overwrite_input: bool = False):
+        """dmuon_edu.newton_schulz of ``G`` (a matrix or a batch) with this configuration."""
+        return newton_schulz(G, steps, coefficients=self.coefficients or "jordan", dtype=dtype,
+                             overwrite_input=overwrite_input, gram_space=self.backend == "gram")
+
+    def __repr__(self) -> str:
+        coefficients = "Keller Jordan's" if self.coefficients is None else f"{len(self.coefficients)} tuples"
+        return f"NewtonSchulz(backend={self.backend!r}, kernel={self.kernel!r}, coefficients={coefficients})"
+
+
+def as_backend(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
+    """``ns_backend`` of dmuon.Muon as a :class:`NewtonSchulz`.
+
+    Raises:
+        TypeError: neither "gram", "direct" nor a NewtonSchulz.
+    """
+    if isinstance(ns_backend, str):
+        return NewtonSchulz(ns_backend)
+    if not isinstance(ns_backend, NewtonSchulz):
+        raise TypeError(f"ns_backend must be 'gram', 'direct' or a dmuon.NewtonSchulz, got {type(ns_backend).__name__}")
+    return ns_backend
