@@ -146,7 +146,7 @@ AUDIT = {
     "effective_lr_multiplier(lr='0.1')": (CLEAR_ERROR, f"{BAD_INPUT}[effective_lr_multiplier/lr_a_string]"),
     "training_curve(steps=-1) returns an empty curve": (CLEAR_ERROR, f"{BAD_INPUT}[training_curve/negative_steps]"),
     "lr_scaling_widget('adam') (KeyError)": (CLEAR_ERROR, f"{BAD_INPUT}[widgets/unknown_optimizer_of_the_widget]"),
-    "cost_widget(N=0) is clamped to 1 by its slider": (CLEAR_ERROR, f"{BAD_INPUT}[widgets/cost_widget_with_no_rank]"),
+    "cost_widget(W=0) is clamped to 1 by its slider": (CLEAR_ERROR, f"{BAD_INPUT}[widgets/cost_widget_with_no_rank]"),
     "torchrun(None) fails inside pathlib": (CLEAR_ERROR, f"{BAD_INPUT}[torchrun/script_none]"),
     "session(timeout_s=inf) overflows in datetime": (CLEAR_ERROR, f"{BAD_INPUT}[session/infinite_timeout]"),
     "checkpoint.latest(None) fails inside pathlib": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.latest/root_none]"),

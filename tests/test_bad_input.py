@@ -358,7 +358,7 @@ CASES = [
      "steps must be an int >= 1, got -1"),
     ("widgets/unknown_optimizer_of_the_widget", lambda: widgets.lr_scaling_widget("adam"), ValueError,
      "unknown optimizer 'adam'; use one of sgd, momentum, adamw, muon"),
-    ("widgets/cost_widget_with_no_rank", lambda: widgets.cost_widget(N=0), ValueError, "N must be between 1 and 64"),
+    ("widgets/cost_widget_with_no_rank", lambda: widgets.cost_widget(W=0), ValueError, "W must be between 1 and 64"),
     ("widgets/cost_figure_no_sync_a_string", lambda: widgets.cost_figure(8, 4, 12, "no"), TypeError,
      "no_sync must be True or False, got 'no'"),
     ("Timeline/a_number_for_the_layers", lambda: Timeline(3), TypeError,

@@ -60,26 +60,33 @@ def test_by_hand_all_reduces_once_per_window(results):
         assert results["05_allreduce_by_hand", nproc]["collectives"]["all_reduce"] == [1, gradient_bytes]
 
 
-def test_ddp_all_reduces_once_per_window_with_no_sync_and_n_times_without(results):
-    rows = results["05_ddp_no_sync", 2]["collectives"]
+def test_ddp_all_reduces_once_per_window_when_the_forwards_are_inside_no_sync_and_n_times_when_only_backwards(results):
+    result = results["05_ddp_no_sync", 2]
+    calls = {label.removeprefix("all_reduce, "): calls for label, (calls, _) in result["collectives"].items()}
     n = Problem().accum_steps
-    calls_sync, bytes_sync = rows["all_reduce, no_sync around forward+backward"]
-    calls_wrong, bytes_wrong = rows["all_reduce, no_sync around backward only"]
-    assert (calls_sync, calls_wrong) == (1, n)  # the model fits in one DDP bucket
-    assert bytes_wrong == n * bytes_sync
+    # DDP decides in the forward whether the coming backward syncs; the model fits in one DDP bucket.
+    assert calls == {"backward_inside": n, "forward_and_backward_inside": 1, "forward_inside": 1,
+                     "every_micro_batch_inside": 0}
+    assert result["collectives"]["all_reduce, backward_inside"][1] == n * result["collectives"][
+        "all_reduce, forward_and_backward_inside"][1]
+    # Only the placement that never all-reduces leaves the ranks apart from one process.
+    assert result["measurements"]["equal to the single process"] == {
+        "backward_inside": True, "forward_and_backward_inside": True, "forward_inside": True,
+        "every_micro_batch_inside": False}
 
 
-def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered(results):
+def test_fsdp2_reduce_scatters_once_per_window_and_keeps_parameters_gathered_as_the_budget_allows(results):
     rows = results["05_fsdp2_accumulation", 2]["collectives"]
     n, layers = Problem().accum_steps, 3
-    assert rows["reduce_scatter, reduce-scatter every micro-batch"][0] == n * layers
-    assert rows["reduce_scatter, gradient sync on the last only"][0] == layers
-    # One all-gather per layer for each forward and each backward, unless parameters stay gathered:
-    # then only the first forward gathers, and the last backward (resharding again) gathers nothing new.
-    assert rows["all_gather, gradient sync on the last only"][0] == 2 * n * layers
-    assert rows["all_gather, ... and parameters kept gathered"][0] < 2 * n * layers
-    kept = results["05_fsdp2_accumulation", 2]["measurements"]["gradient bytes kept between micro-batches"]
-    assert kept["without sync"] == 2 * kept["with sync"]  # the whole gradient instead of a 1/W shard, W = 2
+    # 0.75 P: only the gradient shard fits, so every micro-batch reduce-scatters; 1.25 P: the whole gradient fits;
+    # 2.5 P: the gathered parameters too.
+    assert [rows[f"reduce_scatter, budget {b} P"][0] for b in ("0.75", "1.25", "2.5")] == [n * layers, layers, layers]
+    # One all-gather per layer for each forward and each backward, unless parameters stay gathered after
+    # backward: then only the first forward and every backward gather.
+    assert [rows[f"all_gather, budget {b} P"][0] for b in ("0.75", "1.25", "2.5")] == [
+        2 * n * layers, 2 * n * layers, (n + 1) * layers]
+    measured = results["05_fsdp2_accumulation", 2]["measurements"]
+    assert measured["shard bytes"] * 2 == measured["parameter bytes"]  # a 1/W shard, W = 2
 
 
 GRADIENT_BYTES = 284688  # the Problem's MLP: (16*256 + 256 + 256*256 + 256 + 256*4 + 4) float32 parameters
@@ -127,7 +134,7 @@ def test_zero1_keeps_2p_over_n_of_optimizer_state_per_rank_as_the_cost_model_pre
     # Two fp32 moments of a 1/2 shard: 2 * 284688 / 2 bytes, and AdamW's fp32 step counter (4 bytes).
     assert measured["optimizer state bytes per rank"] == [GRADIENT_BYTES + 4] * 2
     assert measured["shard bytes per rank"] == [GRADIENT_BYTES // 2] * 2
-    predicted = cost_model.cost("ZeRO-1", P=GRADIENT_BYTES, N=2, k=Problem().accum_steps, L=3)
+    predicted = cost_model.cost("ZeRO-1", P=GRADIENT_BYTES, W=2, N=Problem().accum_steps, L=3)
     assert predicted.optimizer_state == GRADIENT_BYTES
     # The cost model's ZeRO-1 reduces to owners and broadcasts; this one reduce-scatters and all-gathers:
     # the same counted bytes per optimizer step, and the same (N-1)/N of them on the wire.
@@ -141,26 +148,25 @@ def test_zero1_keeps_2p_over_n_of_optimizer_state_per_rank_as_the_cost_model_pre
 def test_the_cost_model_predicts_what_ddp_counted(results, no_sync):
     problem = Problem()
     P = sum(p.numel() * p.element_size() for p in problem.model().parameters())
-    row = "all_reduce, no_sync around forward+backward" if no_sync else "all_reduce, no_sync around backward only"
-    predicted = cost_model.cost("DDP", P=P, N=2, k=problem.accum_steps, L=3, no_sync=no_sync)
+    row = "all_reduce, forward_and_backward_inside" if no_sync else "all_reduce, backward_inside"
+    predicted = cost_model.cost("DDP", P=P, W=2, N=problem.accum_steps, L=3, no_sync=no_sync)
     assert predicted.counted["all_reduce"] == results["05_ddp_no_sync", 2]["collectives"][row][1]
 
 
-@pytest.mark.parametrize("label, no_sync", [("reduce-scatter every micro-batch", False),
-                                            ("gradient sync on the last only", True)])
-def test_the_cost_model_predicts_what_fsdp2_counted_and_kept(results, label, no_sync):
+@pytest.mark.parametrize("budget, no_sync", [("0.75", False), ("1.25", True)])
+def test_the_cost_model_predicts_what_fsdp2_counted_and_kept(results, budget, no_sync):
     problem = Problem()
     P = sum(p.numel() * p.element_size() for p in problem.model().parameters())
     result = results["05_fsdp2_accumulation", 2]
-    predicted = cost_model.cost("FSDP2", P=P, N=2, k=problem.accum_steps, L=3, no_sync=no_sync)
+    predicted = cost_model.cost("FSDP2", P=P, W=2, N=problem.accum_steps, L=3, no_sync=no_sync)
     for op in ("all_gather", "reduce_scatter"):
-        assert predicted.counted[op] == result["collectives"][f"{op}, {label}"][1], (op, predicted)
-    kept = result["measurements"]["gradient bytes kept between micro-batches"]
-    # Without sync a rank keeps the whole gradient; with it, its shard (the model adds the layer in flight).
+        assert predicted.counted[op] == result["collectives"][f"{op}, budget {budget} P"][1], (op, predicted)
+    # Without sync a rank keeps the whole gradient; with it, its shard (the model adds the layer in flight,
+    # P / L under its equal-layer assumption).
     if no_sync:
-        assert predicted.gradients == kept["without sync"]
+        assert predicted.gradients == P
     else:
-        assert predicted.gradients - P / 3 == kept["with sync"]
+        assert predicted.gradients - P / 3 == result["measurements"]["shard bytes"]
 
 
 # --- the launcher ---------------------------------------------------------------------------

@@ -392,6 +392,17 @@ def test_a_window_entirely_inside_no_sync_is_refused_at_step_on_every_rank(check
         assert message and "every backward ran inside dmuon.no_sync" in message, real_use(checks, "misuse")
 
 
+def test_a_step_inside_no_sync_is_refused_by_name_on_every_rank(checks):
+    for message in real_use(checks, "misuse")["step_inside_no_sync"]:
+        assert message and "optimizer.step() inside dmuon.no_sync(model)" in message, real_use(checks, "misuse")
+
+
+def test_dedicate_params_after_fully_shard_is_refused_by_name_on_every_rank(checks):
+    for message in real_use(checks, "misuse")["fully_shard_first"]:
+        assert message and "already sharded by fully_shard" in message, real_use(checks, "misuse")
+        assert "call dmuon.dedicate_params(model, mesh, predicate) first" in message, message
+
+
 def test_ranks_that_dedicate_different_matrices_are_refused_on_every_rank_naming_the_first(checks):
     for message in real_use(checks, "misuse")["rank_dependent_predicate"]:
         assert message and "selected different matrices" in message and "layers.1.k_proj.weight" in message, message

@@ -66,13 +66,17 @@ def test_owners_only_holds_owned_bytes_and_one_layer_more(results):
     one_layer_not_owned = P_M // 3 // NPROC  # each layer's two matrices have different owners
     assert measured["dedicated bytes held during a forward, at most"] == [
         owned + one_layer_not_owned for owned in measured["owned bytes"]]
+    # The prefetched next layer, in flight: its other-owned matrix received, its own copied to send.
+    assert measured["dedicated bytes in flight during a forward, at most"] == [P_M // 3] * NPROC
+    assert measured["dedicated bytes held and in flight during a forward, at most"] == [
+        owned + one_layer_not_owned + P_M // 3 for owned in measured["owned bytes"]]
 
 
-def test_the_merge_divides_reduce_bytes_by_k(results):
+def test_the_merge_divides_reduce_bytes_by_n(results):
     result = results["06_no_sync_merge"]
-    assert result["collectives"]["reduce, no_sync on the first k-1"] == [MATRICES, P_M]
+    assert result["collectives"]["reduce, no_sync on the first N-1"] == [MATRICES, P_M]
     assert result["collectives"]["reduce, no no_sync"] == [K * MATRICES, K * P_M]
-    for label in ("no_sync on the first k-1", "no no_sync"):
+    for label in ("no_sync on the first N-1", "no no_sync"):
         assert max(result["measurements"][f"gradient differences, {label}"]) < ADAMW_TOLERANCE
 
 
@@ -94,23 +98,35 @@ def test_the_cost_model_predicts_what_the_z2_z3_runs_counted_and_held(results, z
     result = results["06_z2_z3_training"]
     config = f"{'Z3' if zero3 else 'Z2'}, {'no_sync' if no_sync else 'no no_sync'}"
     layers = 3
-    predicted = cost_model.cost(f"dmuon {config[:2]}", P=P_M, N=NPROC, k=K, L=layers, no_sync=no_sync, s=1)
+    predicted = cost_model.cost(f"dmuon {config[:2]}", P=P_M, W=NPROC, N=K, L=layers, no_sync=no_sync, s=1)
     for op in ("broadcast", "reduce"):
         assert predicted.counted[op] == result["collectives"][f"{op}, {config}"][1], (op, predicted)
-    # held_bytes sees the copies a layer computes with; a prefetched layer's buffer is still in flight.
+    # held_bytes sees the copies a layer computes with; the prefetched layer's buffers are in flight beside them.
     held = result["measurements"]["dedicated bytes held during a forward, at most"][config]
     assert [predicted.parameters] * NPROC == held, (predicted, held)
+    total = result["measurements"]["dedicated bytes held and in flight during a forward, at most"][config]
+    assert [predicted.parameters + predicted.in_flight] * NPROC == total, (predicted, total)
 
 
 def test_the_cost_model_predicts_zero1_by_hand(results):
     measured = results["06_reduce_broadcast"]
-    predicted = cost_model.cost("ZeRO-1", P=P_M, N=NPROC, k=K, L=3, s=1)
+    predicted = cost_model.cost("ZeRO-1", P=P_M, W=NPROC, N=K, L=3, s=1)
     assert {op: predicted.counted[op] for op in ("reduce", "broadcast")} == {
         op: measured["collectives"][op][1] for op in ("reduce", "broadcast")}
     assert [predicted.parameters] * NPROC == measured["measurements"]["dedicated bytes held between steps"]
     # What crosses the wire: the reduce and the broadcast each send (N-1)/N of P_M per rank, as much
     # as one ring all-reduce (2(N-1)/N) would.
-    assert predicted.wire == cost_model.cost("DDP", P=P_M, N=NPROC, k=K, L=3).wire
+    assert predicted.wire == cost_model.cost("DDP", P=P_M, W=NPROC, N=K, L=3).wire
+
+
+def test_a_rank_with_one_more_micro_batch_finishes_under_the_guide_loop_and_trains_on_other_windows(results):
+    measured = results["06_uneven_windows"]["measurements"]["one more micro-batch on rank 1"]
+    # The extra micro-batch falls inside no_sync: no collective waits for it, both ranks take the same steps
+    # and agree, the extra's gradient is never stepped, and every window after it holds other data.
+    assert measured["micro-batches per rank"] == [8, 9] and measured["optimizer steps per rank"] == [2, 2]
+    assert measured["a gradient never stepped, per rank"] == [False, True]
+    assert measured["largest difference between the ranks' parameters"] == 0
+    assert measured["largest difference from the run without the extra micro-batch"] > 1e-3  # a real mistake's size
 
 
 def test_the_guide_loop_loss_falls(results):

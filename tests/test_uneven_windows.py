@@ -64,7 +64,7 @@ def test_each_samples_share_of_the_window_is_the_full_batch_gradient_short_windo
 def test_every_rank_runs_the_same_number_of_micro_batches_of_different_sizes():
     problem = UnevenProblem()
     streams = [problem.stream(rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
-    assert len({len(stream) for stream in streams}) == 1  # a different number would hang DDP without Join
+    assert len({len(stream) for stream in streams}) == 1  # a different number: another lesson (06_uneven_windows)
     sizes = [[len(x) for x, _ in stream] for stream in streams]
     assert all(n >= 1 for rank in sizes for n in rank)
     assert sizes[0] != sizes[1] and [a + b for a, b in zip(*sizes)] == [problem.global_microbatch] * len(sizes[0])

@@ -27,7 +27,8 @@ from dmuon_edu.accumulation import IGNORE_INDEX, summed_token_loss
 from dmuon_edu.course.checks import CheckResult
 from dmuon_edu.distributed import print0
 
-__all__ = ["Problem", "Traffic", "report", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE", "BackwardLog",
+__all__ = ["Problem", "Traffic", "report", "max_over_ranks", "prediction_findings", "DDP_NO_SYNC_REASONS",
+           "FSDP2_BUDGETS", "fsdp2_budget_findings", "ADAMW_TOLERANCE", "GRADIENT_RATIO_TOLERANCE", "BackwardLog",
            "buckets_per_sync", "overlap_problems", "optimizer_state_bytes",
            "TokenProblem", "WeightedStep", "weighting_findings"]
 
@@ -45,22 +46,25 @@ GRADIENT_RATIO_TOLERANCE = 1e-4
 @dataclass(frozen=True)
 class Traffic:
     """What one row of a script's collectives should cost per optimizer step, and the mistake that
-    costs otherwise. ``calls`` None grades the bytes only."""
+    costs otherwise. ``calls`` None grades the bytes only; with ``at_most``, ``calls`` is a ceiling:
+    the same bytes packed into fewer calls are right too."""
 
     row: str
     calls: int | None
     nbytes: int
     mistake: str
+    at_most: bool = False
 
     def problem(self, calls: int, nbytes: int) -> str | None:
         """Why the measured (calls, bytes) per optimizer step are wrong, with their cost; None if right."""
-        expected = f"{self.nbytes} bytes" + (f" in {self.calls} call{'s' * (self.calls != 1)}" if self.calls else "")
+        expected = f"{self.nbytes} bytes" + (
+            f" in {'at most ' if self.at_most else ''}{self.calls} call{'s' * (self.calls != 1)}" if self.calls else "")
         if nbytes != self.nbytes:
             cost = f"{nbytes / self.nbytes:.2g}x the traffic" if self.nbytes else "traffic where none is needed"
             return f"{self.row} moved {nbytes} bytes in {calls} calls per optimizer step where {expected} would do ({cost}): {self.mistake}"
-        if self.calls is not None and calls != self.calls:
+        if self.calls is not None and (calls > self.calls if self.at_most else calls != self.calls):
             return (f"{self.row} made {calls} calls per optimizer step where {expected} would do (the same bytes in "
-                    f"{calls / self.calls:.2g}x the messages, each paying the network's latency): {self.mistake}")
+                    f"{calls / self.calls:.2g}x the calls, and each call has a fixed cost whatever its size): {self.mistake}")
         return None
 
 
@@ -127,6 +131,7 @@ def report(
     traffic: tuple[Traffic, ...] = (),
     gradient_ratios: list[float] | None = None,
     findings: tuple[str, ...] = (),
+    passed: str | None = None,
 ) -> CheckResult:
     """Print, on rank 0, how far each step is from the baseline and what was communicated; return the verdict.
 
@@ -134,7 +139,8 @@ def report(
     baseline (``hint`` says what to do when they differ), every ``traffic`` row
     against what it should cost, and, where given, ``gradient_ratios`` (the norm of
     the gradient each step used over the full-batch gradient's) against 1; ``findings``
-    are further problems the script measured (what a rank holds), each a FAIL.
+    are further problems the script measured (what a rank holds), each a FAIL. ``passed``
+    replaces the PASS message where the exercise is not the steps themselves (a prediction).
     ``collectives`` maps a row label to (calls, bytes) per optimizer step.
     If the script was given a path as its first argument, rank 0 also writes
     everything, with any further ``measurements``, to that JSON file for plots
@@ -149,16 +155,18 @@ def report(
         for label, (calls, nbytes) in collectives.items():
             print0(f"{label:{width}}  {calls:5d}  {nbytes:8d}")
     problems = []
-    bad = [step for step, difference in enumerate(differences, start=1) if not difference < ADAMW_TOLERANCE]
-    if bad:
-        problems.append(f"parameters left the baseline at step {bad[0]}: {hint}")
     off = [ratio for ratio in gradient_ratios or () if not abs(ratio - 1) < GRADIENT_RATIO_TOLERANCE]
     if off:
         problems.append(_gradient_problem(off[0], dist.get_world_size()))
     problems += [problem for t in traffic if (problem := t.problem(*collectives[t.row])) is not None]
     problems += findings
+    bad = [step for step, difference in enumerate(differences, start=1) if not difference < ADAMW_TOLERANCE]
+    if bad:  # the hint only where nothing more specific says why
+        problems.insert(0, f"parameters left the baseline at step {bad[0]}" + ("" if problems else f": {hint}"))
     if problems:
         result = CheckResult(exercise, "FAIL", "; and ".join(problems))
+    elif passed is not None:
+        result = CheckResult(exercise, "PASS", passed)
     else:
         graded_traffic = ", with the traffic the exercise predicts" if traffic else ""
         result = CheckResult(exercise, "PASS", f"every step equals the single-process full-batch step "
@@ -174,16 +182,115 @@ def report(
     return result
 
 
+def prediction_findings(prediction, measured: dict[str, tuple], fields: tuple[str, ...],
+                        why: dict[tuple[str, int], str], tolerance: float = 0.0) -> list[str]:
+    """What a learner's prediction got wrong, entry by entry, each with the reason the run behaved as it did.
+
+    ``measured`` maps each key to one value per field (a bool, or a number); ``prediction``
+    must map the same keys to as many values. A number is right within ``tolerance``, a bool
+    when equal. ``why[key, field index]`` says why the measured value is what it is.
+    """
+    if not isinstance(prediction, dict) or sorted(map(str, prediction)) != sorted(measured):
+        return [f"the prediction must be a dict with an entry for each of: {', '.join(measured)}"]
+    findings = []
+    for key, values in measured.items():
+        guess = prediction[key] if isinstance(prediction[key], (tuple, list)) else (prediction[key],)
+        if len(guess) != len(values):
+            findings.append(f"{key}: predict {len(values)} values ({', '.join(fields)}), not {guess!r}")
+            continue
+        for index, (field, value, guessed) in enumerate(zip(fields, values, guess)):
+            wrong = (bool(guessed) != value if isinstance(value, bool)
+                     else not abs(float(guessed) - value) <= tolerance)
+            if wrong:
+                shown, said = ((value, guessed) if isinstance(value, bool) else
+                               (f"{value:.3g}", f"{guessed:.3g}" if isinstance(guessed, float) else repr(guessed)))
+                findings.append(f"{key}: {field} {shown}, not {said}: {why[key, index]}")
+    return findings
+
+
+# Why each no_sync placement of module 5a's DDP exercise does what it does (its fields: calls, equal to one process).
+DDP_NO_SYNC_REASONS = {
+    ("backward_inside", 0): "DDP decides in the forward whether the coming backward syncs, so no_sync around the "
+                            "backward alone turns nothing off",
+    ("backward_inside", 1): "the extra all-reduces average partial sums, and averaging commutes with adding",
+    ("forward_and_backward_inside", 0): "only the last micro-batch, outside no_sync, all-reduces: once, the sum of all",
+    ("forward_and_backward_inside", 1): "the one all-reduce averages the window's whole sum",
+    ("forward_inside", 0): "DDP decides in the forward whether the coming backward syncs: a forward inside no_sync "
+                           "turns its backward's all-reduce off",
+    ("forward_inside", 1): "the last backward all-reduces the sum of all four micro-batches",
+    ("every_micro_batch_inside", 0): "no micro-batch left no_sync, so nothing was all-reduced",
+    ("every_micro_batch_inside", 1): "nothing was averaged: each rank stepped with its own gradient, and the ranks "
+                                     "drifted apart",
+}
+
+
+# Module 5a's FSDP2 exercise: the memory budgets it is run at, in units of P (the parameter bytes), each
+# between two of the switches' costs (P / W, P, 2 P on 2 ranks), so that no answer sits on a boundary.
+FSDP2_BUDGETS = (0.75, 1.25, 2.5)
+
+
+def fsdp2_budget_findings(rows: dict[str, tuple[int, int]], parameter_bytes: int, shard_bytes: int,
+                          microbatches: int, layers: int) -> tuple[str, ...]:
+    """What module 5a's FSDP2 exercise did wrong at each of FSDP2_BUDGETS, read from its collectives.
+
+    ``rows`` holds "all_gather, budget B P" and "reduce_scatter, budget B P": (calls, bytes) per
+    optimizer step. The two switches show in the counts: a reduce-scatter per layer in every
+    backward (sync on every micro-batch) or only in the last; an all-gather per layer in every
+    forward and backward, or, with the parameters kept gathered after backward, only in the
+    first forward and the backwards. Between micro-batches a rank then keeps its gradient shard
+    or the whole gradient, and the gathered parameters (P bytes) or not.
+    """
+    P = parameter_bytes
+    options = {}  # (sync every micro-batch, keep gathered) -> (bytes kept between micro-batches, bytes sent)
+    for every in (True, False):
+        for kept in (True, False):
+            gathers = (microbatches + 1 if kept else 2 * microbatches) * P
+            options[every, kept] = ((shard_bytes if every else P) + (P if kept else 0),
+                                    gathers + (microbatches if every else 1) * P)
+    findings = []
+    for share in FSDP2_BUDGETS:
+        label, budget = f"budget {share:g} P", share * P
+        (gather_calls, gathered), (scatter_calls, scattered) = rows[f"all_gather, {label}"], rows[f"reduce_scatter, {label}"]
+        if scatter_calls == 0:
+            continue  # never synced: the parameters' own hint says it
+        every, kept = scatter_calls == microbatches * layers, gather_calls < 2 * microbatches * layers
+        if gather_calls not in (2 * microbatches * layers, (microbatches + 1) * layers) or \
+                scatter_calls not in (layers, microbatches * layers):
+            findings.append(f"{label}: {gather_calls} all-gathers and {scatter_calls} reduce-scatters per optimizer "
+                            "step, which no setting of the two switches gives: set both before each micro-batch's forward")
+            continue
+        held, sent = options[every, kept]
+        best = min(sent for memory, sent in options.values() if memory <= budget)
+        if held > budget:
+            what = ("the gathered parameters too (P bytes more)" if kept and options[every, False][0] <= budget
+                    else "the whole unsharded gradient (P bytes), since the reduce-scatter waited for the last micro-batch")
+            findings.append(f"{label}: a rank kept {held} bytes between micro-batches where the budget is {budget:.0f}: "
+                            f"it kept {what}")
+        elif sent > best:
+            why = ("the whole gradient fits: skip the reduce-scatter until the window's last micro-batch" if every
+                   and options[False, kept][0] <= budget else
+                   "the gathered parameters fit too: keep them after every backward but the last")
+            findings.append(f"{label}: {sent} bytes sent per optimizer step where {best} fit the budget "
+                            f"({sent / best:.2g}x the traffic): {why}")
+    return tuple(findings)
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's ``value``, on every rank (a collective)."""
+    largest = torch.tensor(float(value))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
+
+
 def _gradient_problem(ratio: float, world_size: int) -> str:
     """What a gradient of ``ratio`` times the full-batch gradient's norm says about the averaging."""
     said = f"the averaged gradient is {ratio:.3g}x the full-batch gradient ({world_size} ranks): "
     if abs(ratio / world_size - 1) < GRADIENT_RATIO_TOLERANCE:
-        return said + ("an all_reduce with SUM adds the ranks' gradients, so divide by the world size once (AdamW's "
-                       "update hides most of a constant factor, all but its eps; gradient clipping and SGD do not)")
+        return said + ("a SUM adds the ranks' gradients, so divide by the world size once (AdamW hides most of "
+                       "the factor; clipping and SGD do not)")
     if abs(ratio * world_size - 1) < GRADIENT_RATIO_TOLERANCE:
         return said + "it was divided by the world size twice (ReduceOp.AVG already averages): divide once"
-    return said + ("it is not the average of the ranks' gradients: all-reduce every gradient over the ranks so that "
-                   "each rank steps with the same average")
+    return said + "it is not the average of the ranks' gradients, which every rank must step with"
 
 
 def rank_share(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
@@ -334,14 +441,14 @@ def token_mistakes(by_rank, world_size: int) -> dict[str, list[list[float]]]:
     positions = sum(y.numel() for rank in by_rank for _, y in rank)
     n = len(tokens[0])
     return {
-        "each micro-batch's mean token loss was weighted equally, the 2024 transformers bug: a token counts more in "
-        "a micro-batch that holds fewer; divide each micro-batch's summed loss by the window's token count":
+        "each micro-batch's mean token loss was weighted equally, the 2024 transformers bug: divide each "
+        "micro-batch's summed loss by the window's token count":
             [[1 / (world_size * n * c) for c in rank] for rank in tokens],
-        "each rank divided by its own token count: a token counts more on a rank that holds fewer; all_reduce the "
-        "count so that every rank divides by the window's count over all ranks":
+        "each rank divided by its own token count: all_reduce the count, so that every rank divides by the "
+        "window's count over all ranks":
             [[1 / (world_size * sum(rank))] * n for rank in tokens],
         f"DDP averaged the ranks' gradients, dividing by the world size ({world_size}) after the division by the "
-        "window's token count: multiply each loss by dist.get_world_size() to undo it":
+        "window's token count: multiply each loss by dist.get_world_size()":
             [[1 / (world_size * total)] * n for _ in tokens],
         "the count includes padding: count only the targets that are not IGNORE_INDEX":
             [[1 / positions] * n for _ in tokens],

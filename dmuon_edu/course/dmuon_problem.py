@@ -1,4 +1,4 @@
-"""The shared problem of module 6's dmuon exercises, and its single-process reference.
+"""The shared problem of module 6's dmuon exercises, its single-process reference, and the code they share.
 
 Module 5's problem (:class:`dmuon_edu.course.data_parallel.Problem`: the same seeded global
 data on every rank, each rank taking its equal share of each micro-batch) with a model
@@ -13,10 +13,16 @@ equal the reference's, and the gradient each owner stepped with equals the
 reference's gradient. The second check is needed because Newton-Schulz first
 divides the update by its norm: a gradient summed over the ranks instead of averaged
 gives the same Muon step, so parameters alone would not reveal a missing average.
+
+Shared by the scripts: the accumulation guide's set-up (:func:`prepare`) and training loop
+(:func:`guide_loop`), a probe of what each rank holds (:class:`ResidencyProbe`), and why each
+quantity of the module's predictions is what the runs measure (``RESIDENCY_REASONS``,
+``Z2_Z3_REASONS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 
@@ -36,6 +42,7 @@ __all__ = [
     "is_dedicated",
     "dedicated_parameters",
     "guide_batches",
+    "guide_loop",
     "symmetric_parameters",
     "MUON_HYPERPARAMETERS",
     "ADAMW_LR",
@@ -45,6 +52,8 @@ __all__ = [
     "owner_gradient_difference",
     "per_rank",
     "ResidencyProbe",
+    "RESIDENCY_REASONS",
+    "Z2_Z3_REASONS",
     "UnevenProblem",
     "prepare",
 ]
@@ -60,6 +69,29 @@ ADAMW_LR = 1e-2  # module 5's AdamW learning rate, for everything that is not a 
 
 # The accumulation guide's predicate, as for the capstone's GPT: the hidden matrices get an owner rank and Muon.
 is_dedicated = is_hidden_matrix
+
+# Why each quantity of module 6a's owners-only prediction is what the run measures (one field each).
+RESIDENCY_REASONS = {
+    ("between steps", 0): "between optimizer steps a non-owner keeps none of a matrix: a rank holds only the "
+                          "matrices it owns",
+    ("while a layer computes", 0): "a layer's forward needs its matrices whole: a rank holds its own and the "
+                                   "running layer's matrices that other ranks own, no other layer's",
+    ("in flight while a layer computes", 0): "the next layer's broadcast is issued before this layer computes "
+                                             "(forward_prefetch_depth=1), into packed buffers: the other owners' part "
+                                             "received, and the rank's own part copied to send",
+}
+
+# Why each count of module 6b's Z2/Z3 prediction is what the run counts (fields: broadcast, reduce, in P_M).
+Z2_Z3_REASONS = {
+    **{(f"Z3, {mode}", 0): "Z3 frees a layer's copies after its forward and broadcasts them again for its "
+                           "backward: twice per micro-batch" for mode in ("no_sync", "no no_sync")},
+    **{(f"Z2, {mode}", 0): "Z2 keeps the copies from the window's first forward until step(): once per window"
+       for mode in ("no_sync", "no no_sync")},
+    **{(f"Z{z}, no_sync", 1): "no_sync keeps each gradient on its rank until the window's last backward, which "
+                              "reduces the sum once" for z in (2, 3)},
+    **{(f"Z{z}, no no_sync", 1): "without no_sync every backward reduces its gradients to their owners: once "
+                                 "per micro-batch" for z in (2, 3)},
+}
 
 
 class Block(nn.Module):
@@ -125,6 +157,38 @@ class Problem(data_parallel.Problem):
         return steps
 
 
+    def last_microbatch_gradients(self) -> dict[str, torch.Tensor]:
+        """The dedicated matrices' gradient of the first window's last micro-batch alone, divided by the window's
+        micro-batches, at the initial parameters: what an owner steps with at step 1 when only the last
+        micro-batch's gradient reached it."""
+        model = self.model()
+        window = self.windows()[0]
+        (model(window[-1]).loss / len(window)).backward()
+        return {name: p.grad.clone() for name, p in dedicated_parameters(model).items()}
+
+
+def guide_loop(model: nn.Module, optimizer, dataloader, accum_steps: int, no_sync=dmuon.no_sync) -> list[float]:
+    """The training loop of dmuon's accumulation guide ("Full Training Loop with Accumulation"), as written there.
+
+    Every micro-batch but the last of each window runs inside ``no_sync(model)``, each
+    loss divided by ``accum_steps``; after the last, ``optimizer.step()`` and
+    ``optimizer.zero_grad()``. It steps when ``(i + 1) % accum_steps == 0``, so the
+    micro-batches after the last whole window are never stepped (module 6c). Returns the loss
+    it logs at each optimizer step: the last micro-batch's, times ``accum_steps``.
+    """
+    losses = []
+    for i, batch in enumerate(dataloader):
+        is_accumulating = (i + 1) % accum_steps != 0
+        with no_sync(model) if is_accumulating else contextlib.nullcontext():
+            loss = model(batch).loss / accum_steps
+            loss.backward()
+        if not is_accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item() * accum_steps)
+    return losses
+
+
 def guide_batches(n_batches: int, rank: int, batch_size: int = 32):
     """A dataloader for the accumulation guide's loop: this rank's own batches, from a fixed teacher the model can learn.
 
@@ -155,7 +219,7 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
 
 
 def average_over_ranks(params) -> None:
-    """Replace every p.grad by its mean over the ranks, with one all_reduce (module 5's exercise 1)."""
+    """Replace every p.grad by its mean over the ranks, with one all_reduce."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.AVG)
@@ -169,13 +233,15 @@ def broadcast_from_owners(dedicated: dict[str, nn.Parameter], owners: dict[str, 
         dist.broadcast(p.detach(), src=owners[name])
 
 
-def owner_gradient_difference(stepped_with: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """Largest |difference| between the gradient each owner stepped with and the reference's, over all ranks.
+def owner_gradient_difference(stepped_with: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                              scale: float = 1.0) -> float:
+    """Largest |difference| between the gradient each owner stepped with and ``scale`` times the reference's, over all ranks.
 
     ``stepped_with`` holds this rank's owned matrices only; None (no gradient arrived) counts
-    as infinitely far. A collective: every rank calls it.
+    as infinitely far. ``scale`` names a mistake by its factor (the world size: a sum for an
+    average). A collective: every rank calls it.
     """
-    largest = max((float("inf") if g is None else (g - expected[name]).abs().max().item()
+    largest = max((float("inf") if g is None else (g - scale * expected[name]).abs().max().item()
                    for name, g in stepped_with.items()), default=0.0)
     largest = torch.tensor(largest)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
@@ -193,15 +259,17 @@ class ResidencyProbe:
     """The most bytes of dedicated matrices, and of their gradients, this rank holds while any layer runs its forward.
 
     A forward pre-hook on each layer, registered after dmuon's own (so the layer's
-    matrices have just been made resident), reads ``dmuon.held_bytes(model)`` at that
-    moment, and the gradients dmuon keeps for the dedicated matrices between
-    backwards: ``_accumulated_grad`` (inside no_sync, on every rank) and
+    matrices have just been made resident, and the next layer's broadcast issued),
+    reads at that moment ``dmuon.held_bytes(model)`` (``peak``), the broadcast buffers
+    still in flight, ``dmuon.in_flight_bytes(model)`` (``in_flight_peak``, and the two
+    together, ``total_peak``), and the gradients dmuon keeps for the dedicated matrices
+    between backwards: ``_accumulated_grad`` (inside no_sync, on every rank) and
     ``_reduced_grad`` (on the owner). Exact and deterministic, unlike a profiler's peak.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.peak = 0
+        self.peak = self.in_flight_peak = self.total_peak = 0
         self.gradient_peak = 0
         for layer in model.layers:
             layer.register_forward_pre_hook(self._measure)
@@ -215,7 +283,10 @@ class ResidencyProbe:
         return sum(g.numel() * g.element_size() for g in kept if g is not None)
 
     def _measure(self, _module, _args) -> None:
-        self.peak = max(self.peak, self.held_bytes())
+        held, in_flight = self.held_bytes(), dmuon.in_flight_bytes(self.model)
+        self.peak = max(self.peak, held)
+        self.in_flight_peak = max(self.in_flight_peak, in_flight)
+        self.total_peak = max(self.total_peak, held + in_flight)
         self.gradient_peak = max(self.gradient_peak, self.held_gradient_bytes())
 
 
@@ -297,18 +368,21 @@ class UnevenProblem(Problem):
         window = sum(map(sum, sizes))
         full = self.accum_steps * self.global_microbatch
         return [
-            ("every micro-batch weighted equally, but the ranks' micro-batches hold different numbers of samples: a "
-             "sample counts more in a smaller one; weight each by its share of the window's samples on all ranks",
+            ("every micro-batch weighted equally, but the ranks' micro-batches hold different numbers of samples: "
+             "weight each by its share of the window's samples on all ranks",
              [[1 / (world_size * microbatches)] * microbatches for _ in sizes]),
             (f"the short window was divided as if it held accum_steps = {self.accum_steps} micro-batches "
-             f"({full} samples) where it holds {microbatches} ({window}): divide by the samples the window holds",
+             f"({full} samples) where it holds {microbatches} ({window}): divide by the samples it holds",
              [[n / full for n in rank] for rank in sizes]),
-            ("each rank divided by its own sample count: a sample counts more on a rank that holds fewer; all_reduce "
-             "the count so that every rank divides by the window's count over all ranks",
+            ("each rank divided by its own sample count: divide by the window's count over all ranks (one "
+             "all_reduce)",
              [[n / (world_size * sum(rank)) for n in rank] for rank in sizes]),
             (f"the ranks' gradients were averaged, divided by the world size ({world_size}), after the division by "
-             "the window's sample count: multiply each loss by dist.get_world_size() to undo it",
+             "the window's sample count: multiply each loss by dist.get_world_size()",
              [[n / (world_size * window) for n in rank] for rank in sizes]),
+            ("only each window's last micro-batch reached the step: a zero_grad() inside the micro-batch loop "
+             "cleared the others",
+             [[0.0] * (microbatches - 1) + [rank[-1] / window] for rank in sizes]),
         ]
 
     def never_trained(self, steps: int) -> str | None:
@@ -322,9 +396,8 @@ class UnevenProblem(Problem):
                 f"({total - first} of {total}) were never trained on")
         if steps < len(windows) - 1:
             return said
-        return (said + f", the short last window's {len(windows[-1])} micro-batches. The loop of dmuon's accumulation "
-                "guide steps when (i + 1) % accum_steps == 0, which a short last window never reaches: step after "
-                "the stream's last micro-batch too")
+        return (said + f", the short last window's {len(windows[-1])} micro-batches: a loop that steps when "
+                "(i + 1) % accum_steps == 0, as the accumulation guide's does, never reaches it")
 
 
 def prepare(model: nn.Module, mesh, zero3: bool = True, **optimizer_settings) -> dmuon.Muon:

@@ -12,8 +12,9 @@ hook. Its backward starts when the gradient of its output is ready (a hook on th
 and ends when the gradient of its input is (a hook on the input), which is when autograd
 has finished the layer (a layer whose input needs no gradient, such as a first layer fed
 the data itself, has no backward span). The order of the events is what proves overlap: a collective
-issued inside a span ran while that layer computed, if the backend overlaps at all (gloo
-on a 2-core CPU does not; the timing of overlap needs a GPU).
+issued inside a span ran while that layer computed, if the hardware lets the two run at
+once (not on a 2-core CPU, where gloo's collectives share the cores with the compute; the
+timing of overlap needs a GPU).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from dmuon_edu.course.pitfalls import (
 __all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget"]
 
 MAX_ACCUM_STEPS = 64
-# The cost widget's slider ranges: ranks N, micro-batches k, layers L.
-COST_SLIDERS = {"N": 64, "k": 32, "L": 48}
+# The cost widget's slider ranges: ranks W, micro-batches N, layers L.
+COST_SLIDERS = {"W": 64, "N": 32, "L": 48}
 # Where the multiplier is drawn, besides the chosen N.
 ACCUM_STEPS_GRID = (1, 2, 4, 8, 16, 32, 64)
 
@@ -153,12 +153,13 @@ def _require_slider_value(name: str, value, largest: int) -> None:
 MEMORY_PARTS = ("parameters", "gradients", "optimizer state")
 
 
-def cost_figure(N: int, k: int, L: int, no_sync: bool) -> Figure:
+def cost_figure(W: int, N: int, L: int, no_sync: bool) -> Figure:
     """Every scheme of the cost model side by side, in units of P (P_M for dmuon): memory and wire bytes per rank.
 
-    AdamW's two moments (s = 2) for DDP, ZeRO-1 and FSDP2; Muon's momentum (s = 1) for dmuon.
+    W ranks, N micro-batches per optimizer step, L layers. AdamW's two moments (s = 2) for
+    DDP, ZeRO-1 and FSDP2; Muon's momentum (s = 1) for dmuon.
     """
-    costs = {scheme: cost(scheme, P=1.0, N=N, k=k, L=L, no_sync=no_sync, s=1.0 if scheme.startswith("dmuon") else 2.0)
+    costs = {scheme: cost(scheme, P=1.0, W=W, N=N, L=L, no_sync=no_sync, s=1.0 if scheme.startswith("dmuon") else 2.0)
              for scheme in SCHEMES}
     figure = Figure(figsize=(9, 3.4), layout="constrained")
     memory, wire = figure.subplots(1, 2)
@@ -175,36 +176,36 @@ def cost_figure(N: int, k: int, L: int, no_sync: bool) -> Figure:
     wire.set(ylabel="bytes sent per rank / P", title="wire bytes per optimizer step")
     for axes in (memory, wire):
         axes.tick_params(axis="x", labelsize=7)
-    figure.suptitle(f"N = {N} ranks, k = {k} micro-batches, L = {L} layers, "
+    figure.suptitle(f"W = {W} ranks, N = {N} micro-batches, L = {L} layers, "
                     f"{'no_sync' if no_sync else 'sync every micro-batch'}", fontsize=10)
     return figure
 
 
 class CostWidget(widgets.VBox):
-    """Sliders for N, k and L and a no_sync switch, over :func:`cost_figure`."""
+    """Sliders for W, N and L and a no_sync switch, over :func:`cost_figure`."""
 
-    def __init__(self, N: int, k: int, L: int, no_sync: bool):
-        for name, value in (("N", N), ("k", k), ("L", L)):
+    def __init__(self, W: int, N: int, L: int, no_sync: bool):
+        for name, value in (("W", W), ("N", N), ("L", L)):
             _require_slider_value(name, value, COST_SLIDERS[name])
         require_flag("no_sync", no_sync)
-        self.N = widgets.IntSlider(value=N, min=1, max=COST_SLIDERS["N"], description="N ranks")
-        self.k = widgets.IntSlider(value=k, min=1, max=COST_SLIDERS["k"], description="k micro")
+        self.W = widgets.IntSlider(value=W, min=1, max=COST_SLIDERS["W"], description="W ranks")
+        self.N = widgets.IntSlider(value=N, min=1, max=COST_SLIDERS["N"], description="N micro")
         self.L = widgets.IntSlider(value=L, min=1, max=COST_SLIDERS["L"], description="L layers")
         self.no_sync = widgets.Checkbox(value=no_sync, description="no_sync")
         self.plot = widgets.Image(format="png")
         self.figure: Figure | None = None
-        super().__init__([widgets.HBox([self.N, self.k]), widgets.HBox([self.L, self.no_sync]), self.plot])
-        for control in (self.N, self.k, self.L, self.no_sync):
+        super().__init__([widgets.HBox([self.W, self.N]), widgets.HBox([self.L, self.no_sync]), self.plot])
+        for control in (self.W, self.N, self.L, self.no_sync):
             control.observe(lambda _: self.redraw(), names="value")
         self.redraw()
 
     def redraw(self) -> None:
-        self.figure = cost_figure(self.N.value, self.k.value, self.L.value, self.no_sync.value)
+        self.figure = cost_figure(self.W.value, self.N.value, self.L.value, self.no_sync.value)
         png = io.BytesIO()
         self.figure.savefig(png, format="png")
         self.plot.value = png.getvalue()
 
 
-def cost_widget(N: int = 8, k: int = 4, L: int = 12, no_sync: bool = True) -> CostWidget:
-    """An app: per-rank memory and wire bytes of DDP, ZeRO-1, FSDP2 and dmuon Z2/Z3 as N, k and L change."""
-    return CostWidget(N, k, L, no_sync)
+def cost_widget(W: int = 8, N: int = 4, L: int = 12, no_sync: bool = True) -> CostWidget:
+    """An app: per-rank memory and wire bytes of DDP, ZeRO-1, FSDP2 and dmuon Z2/Z3 as W, N and L change."""
+    return CostWidget(W, N, L, no_sync)

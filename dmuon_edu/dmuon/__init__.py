@@ -59,8 +59,8 @@ FSDP2 gradients (a dedicated matrix's gradient lives on its owner); use
 FSDP2 gradients scaled and the dedicated ones not.
 
 Bytes are as count_comm counts them: the whole tensor's size on every rank taking
-part, sender or receiver. The peer's byte formulas, 2(N-1)/N * P_M (Z2) and
-3(N-1)/N * P_M (Z3), count what crosses the wire per rank.
+part, sender or receiver. The public dmuon's byte formulas, 2(W-1)/W * P_M (Z2) and
+3(W-1)/W * P_M (Z3), W ranks (its documents write N), count what crosses the wire per rank.
 
 Modules, each importing only those before it: plan.py (owners), names.py (names
 without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
@@ -74,7 +74,7 @@ diagnostics.py (summaries of the plan and the groups).
 from dmuon_edu.distributed import count_collectives as count_comm
 
 from .clip import MuonGradClipStats, clip_grad_norm_
-from .dedicate import dedicate_params, held_bytes, no_sync, ownership
+from .dedicate import dedicate_params, held_bytes, in_flight_bytes, no_sync, ownership
 from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
 from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
 from .optim import Muon
@@ -96,6 +96,7 @@ __all__ = [
     "Muon",
     "ownership",
     "held_bytes",
+    "in_flight_bytes",
     "count_comm",
     "clip_grad_norm_",
     "MuonGradClipStats",

@@ -72,7 +72,7 @@ from .order import CollectiveOrder
 from .plan import plan_owners
 from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
 
-__all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "DMuonState", "state_of"]
+__all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "in_flight_bytes", "DMuonState", "state_of"]
 
 
 @dataclass(eq=False)
@@ -797,3 +797,18 @@ def held_bytes(model: nn.Module) -> int:
                 storage = t.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def in_flight_bytes(model: nn.Module) -> int:
+    """Bytes of the broadcast buffers this rank has in flight right now, which :func:`held_bytes` leaves out.
+
+    A broadcast issued ahead of its layer (the forward prefetch, or the backward's) owns a
+    packed buffer until the layer lands it: on the owner a copy of its matrices, on the other
+    ranks the space they receive into. Exact, like :func:`held_bytes`.
+
+    Raises:
+        ValueError: ``dedicate_params`` was never called on ``model``.
+    """
+    state = state_of(model)
+    return sum(sent.flat.untyped_storage().nbytes() for unit in state.units for sent in unit.in_flight)
+

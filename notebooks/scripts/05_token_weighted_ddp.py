@@ -1,4 +1,4 @@
-"""Module 5, exercise: token-weighted accumulation under DDP.
+"""Module 5c, exercise: token-weighted accumulation under DDP.
 
 A language model's loss averages over tokens. Each rank holds micro-batches of padded
 sequences, and every rank and every micro-batch holds a different number of real

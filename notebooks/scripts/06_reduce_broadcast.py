@@ -1,16 +1,12 @@
-"""Module 6, exercise 1: distributed Muon by hand, ZeRO-1 style: reduce to the owner, step there, broadcast.
+"""Module 6a, exercise 1: distributed Muon by hand: each matrix stepped on its owner, its new values on every rank.
 
 Every rank holds the whole model, as in module 5. Each Muon matrix gets one *owner*
 rank (dmuon.plan_owners balances the Newton-Schulz work), and only the owner keeps
-its momentum and runs Newton-Schulz on it: the optimizer's work and state are split,
-the parameters are not (ZeRO stage 1). After the window's backward:
+its momentum and runs Newton-Schulz on it: the optimizer's work and state are split
+over the ranks, the parameters and gradients are not (ZeRO stage 1's memory).
 
-1. reduce: each matrix's gradient is averaged over the ranks onto its owner only;
-2. step: each owner runs Muon on its own matrices (no communication);
-3. broadcast: each owner sends the new values of its matrices to every rank.
-
-The other parameters (biases, norms, embed, head) are all-reduced and stepped by
-AdamW on every rank, as in module 5.
+The other parameters (biases, norms, embed, head) are averaged over the ranks and
+stepped by AdamW on every rank, as in module 5.
 
 Usage: torchrun --nproc-per-node=2 06_reduce_broadcast.py [results.json]
 """
@@ -31,15 +27,16 @@ from dmuon_edu.course.dmuon_problem import (
 
 
 def reduce_step_broadcast(dedicated, owners, muon):
-    """After the window's backward: average each matrix's gradient onto its owner, let the owners step, publish.
+    """After the window's backward: the owners step their matrices, and every rank ends with every matrix's new values.
 
-    dedicated: {name: parameter} of every Muon matrix, in the same order on every rank.
+    dedicated: {name: parameter} of every Muon matrix, in the same order on every rank;
+    each rank's p.grad holds its own gradient of the window.
     owners: {name: owner rank}.
-    muon: a Muon optimizer over the matrices this rank owns (it steps those only).
+    muon: a Muon optimizer over the matrices this rank owns; its step() updates them in
+    place from their p.grad, which must then be the average of the ranks' gradients.
 
-    Use dist.reduce(tensor, dst=..., op=dist.ReduceOp.AVG) and dist.broadcast(tensor, src=...);
-    both work in place. After the reduce only the owner's p.grad is meaningful
-    (gloo leaves partial sums on the other ranks).
+    Send nothing a rank has no use for, each byte once: the check counts the bytes and
+    the calls of every collective (at most one call per matrix of each kind).
     """
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
@@ -67,6 +64,8 @@ def main(ranks):
             adamw.step()
         stepped_with = {name: p.grad for name, p in owned.items()}
         gradient_differences.append(owner_gradient_difference(stepped_with, expected.gradients))
+        if len(gradient_differences) == 1:  # at the first step the parameters are still the reference's
+            summed_at_first_step = owner_gradient_difference(stepped_with, expected.gradients, scale=ranks.world_size)
         # Each rank compares its own copy: a rank that missed a broadcast still holds old values.
         difference = max_parameter_difference(model.parameters(), expected.parameters)
         parameter_differences.append(max(per_rank(difference)))
@@ -77,13 +76,13 @@ def main(ranks):
     # Name the first mistake: at the first step that went wrong, was the owner's gradient already wrong?
     first = next((i for i, pair in enumerate(zip(parameter_differences, gradient_differences))
                   if not max(pair) < ADAMW_TOLERANCE), 0)
-    if not gradient_differences[first] < ADAMW_TOLERANCE:
-        hint = ("an owner stepped with the wrong gradient: reduce each p.grad to its owner with "
-                "dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.AVG) before muon.step(). (A sum "
-                "instead of an average would hide in the parameters: Newton-Schulz normalises the update's scale)")
+    if summed_at_first_step < ADAMW_TOLERANCE:
+        hint = (f"the owners stepped with the ranks' sum, {ranks.world_size}x their average: reduce with "
+                "op=dist.ReduceOp.AVG (Newton-Schulz hides the factor in the parameters, not in the gradient)")
+    elif not gradient_differences[first] < ADAMW_TOLERANCE:
+        hint = "an owner stepped with the wrong gradient: when muon.step() runs, its p.grad must be the ranks' average"
     else:
-        hint = ("a rank holds stale values: after muon.step(), broadcast each matrix from its owner with "
-                "dist.broadcast(p.detach(), src=owners[name])")
+        hint = "a rank holds stale values: every rank needs each matrix's values from after its owner's step"
     symmetric_bytes = sum(p.numel() * p.element_size() for p in symmetric)
     return report(
         "06_reduce_broadcast",
@@ -99,14 +98,16 @@ def main(ranks):
                                                                 for p in dedicated.values())),
             "owned bytes": per_rank(sum(p.numel() * p.element_size() for p in owned.values())),
         },
+        # At most one call per matrix: packing an owner's matrices into one buffer (what dmuon does) is right too.
         traffic=(
-            Traffic("reduce", len(dedicated), p_m,
-                    "reduce each matrix's gradient once per window, to its owner alone (dist.reduce, not all_reduce)"),
-            Traffic("broadcast", len(dedicated), p_m, "broadcast each matrix once per window, from its owner, after muon.step()"),
+            Traffic("reduce", len(dedicated), p_m, "only the owner needs a matrix's average: send each gradient "
+                    "to its owner alone, once per window", at_most=True),
+            Traffic("broadcast", len(dedicated), p_m, "each matrix's new values go out once per window, from its "
+                    "owner, after muon.step()", at_most=True),
             # The symmetric parameters' averaging is the only all_reduce: an all_reduce of the matrices would send
             # every average to every rank, where only its owner needs it.
             Traffic("all_reduce", None, symmetric_bytes,
-                    "only the owner needs a matrix's average: dist.reduce(p.grad, dst=owners[name], op=AVG), not all_reduce"),
+                    "only the owner needs a matrix's average: dist.reduce to the owner, not all_reduce"),
         ),
     )
 

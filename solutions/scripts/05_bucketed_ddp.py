@@ -1,4 +1,4 @@
-"""Module 5, exercise: DDP's bucketed all-reduce, built from hooks.
+"""Module 5b, exercise 1: DDP's bucketed all-reduce, built from hooks.
 
 DDP does not wait for the backward to end before it communicates. Autograd calls
 a parameter's *post-accumulate-grad hook* as soon as that parameter's gradient is
@@ -60,8 +60,7 @@ class BucketedAllReduce:
         ### END SOLUTION
 
     def send(self, numel):
-        """Start the all-reduce of the first ``numel`` queued gradient elements, without waiting for it."""
-        ### BEGIN SOLUTION
+        """Start the all-reduce of the first ``numel`` queued gradient elements, without waiting for it (given)."""
         views, taken = [], 0
         while taken < numel:
             view = self.ready.pop(0)
@@ -72,7 +71,6 @@ class BucketedAllReduce:
             taken += view.numel()
         bucket = torch.cat(views)  # a copy: the gradients stay as they are until the sum is back
         self.in_flight.append((dist.all_reduce(bucket, async_op=True), bucket, views))
-        ### END SOLUTION
 
     def finish(self):
         """After the backward: send what is queued, wait for every bucket, write the averages into the gradients."""

@@ -1,16 +1,21 @@
-"""Module 5, exercise 3: FSDP2 with accumulation, set_requires_gradient_sync and set_reshard_after_backward.
+"""Module 5a, exercise 3: FSDP2 with accumulation: choose its two switches for a memory budget.
 
 fully_shard splits every parameter over the ranks. A layer's forward first
-all-gathers its full parameters; its backward reduce-scatters the gradient so
-that each rank keeps only its shard. With accumulation, that reduce-scatter
-happens on every micro-batch by default.
+all-gathers its full parameters, and frees them after the forward
+(``reshard_after_forward=True``, its default); its backward gathers them again and
+reduce-scatters the gradient, so that each rank keeps only its shard of the
+averaged gradient. FSDP2 modules have no no_sync(); they have two switches:
 
-- `model.set_requires_gradient_sync(False)` skips it: each rank keeps the
-  *unsharded* gradient and adds into it; the last micro-batch (with sync back
-  on) reduce-scatters the sum once. Less communication, more memory.
-- `model.set_reshard_after_backward(False)` also keeps the gathered parameters
-  between micro-batches, saving the all-gathers of the following forwards.
-FSDP2 modules have no no_sync(); these two switches are its equivalent.
+- ``model.set_requires_gradient_sync(False)``: the backward skips the
+  reduce-scatter, and each rank keeps the *unsharded* gradient, adding into it,
+  until a backward with sync on reduce-scatters the sum;
+- ``model.set_reshard_after_backward(False)``: the backward keeps the gathered
+  parameters instead of freeing them, so the next forward need not gather them.
+
+Each switch sends fewer bytes for more memory. ``accumulate_window`` gets a
+budget: the bytes a rank may keep between micro-batches besides its own shard of
+the parameters (gradients, sharded or not, and gathered parameters). The script
+runs it at three budgets and counts the all-gathers and reduce-scatters.
 
 Usage: torchrun --nproc-per-node=2 05_fsdp2_accumulation.py [results.json]
 """
@@ -21,44 +26,39 @@ from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Problem, Traffic, report
+from dmuon_edu.course.data_parallel import FSDP2_BUDGETS, Problem, fsdp2_budget_findings, report
 
 
-def accumulate_window(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
-    """One optimizer step; gradients are reduce-scattered once, on the last micro-batch."""
+def accumulate_window(model, optimizer, microbatches, loss_fn, budget):
+    """One optimizer step over the window: the fewest bytes sent that keep at most ``budget`` bytes per rank
+    between micro-batches, besides the rank's own shard of the parameters.
+
+    ``model`` is fully_shard-ed, each linear layer and then the whole; its parameters are
+    DTensors whose p.numel() is the whole parameter's.
+    """
     optimizer.zero_grad()
+    ### BEGIN SOLUTION
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sync_every_micro_batch = budget < parameter_bytes  # the whole gradient does not fit: keep only its shard
+    keep_gathered = budget >= 2 * parameter_bytes  # the whole gradient and the gathered parameters fit
     for i, (x, y) in enumerate(microbatches):
         is_last = i == len(microbatches) - 1
-        ### BEGIN SOLUTION
-        model.set_requires_gradient_sync(is_last)
-        ### END SOLUTION
-        if keep_parameters_gathered:
+        model.set_requires_gradient_sync(sync_every_micro_batch or is_last)
+        if keep_gathered:
             model.set_reshard_after_backward(is_last)
         (loss_fn(model(x), y) / len(microbatches)).backward()
+    ### END SOLUTION
     optimizer.step()
 
-
-def sync_every_microbatch(model, optimizer, microbatches, loss_fn):
-    optimizer.zero_grad()
-    for x, y in microbatches:
-        (loss_fn(model(x), y) / len(microbatches)).backward()
-    optimizer.step()
-
-
-VARIANTS = {
-    "reduce-scatter every micro-batch": sync_every_microbatch,
-    "gradient sync on the last only": lambda *args: accumulate_window(*args),
-    "... and parameters kept gathered": lambda *args: accumulate_window(*args, keep_parameters_gathered=True),
-}
-LEARNERS = ["gradient sync on the last only", "... and parameters kept gathered"]  # the rows accumulate_window makes
 
 def main(ranks):
-    """Train three ways (the default, and accumulate_window with and without keeping parameters
-    gathered); grade accumulate_window's numbers and reduce-scatters."""
+    """Train with accumulate_window at each budget; grade its numbers, and its traffic against the budget."""
     problem = Problem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+    parameter_bytes = sum(p.numel() * p.element_size() for p in problem.model().parameters())
     rows, differences = {}, {}
-    for label, window_step in VARIANTS.items():
+    for share in FSDP2_BUDGETS:
+        label = f"budget {share:g} P"
         model = problem.model()
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
@@ -70,30 +70,26 @@ def main(ranks):
         for window, expected in zip(problem.windows(), problem.baseline()):
             local = [problem.local(batch, ranks.rank, ranks.world_size) for batch in window]
             with counts:
-                window_step(model, optimizer, local, problem.loss_fn)
+                accumulate_window(model, optimizer, local, problem.loss_fn, budget=share * parameter_bytes)
             full = [p.full_tensor() for p in model.parameters()]  # a collective itself: outside the count
             differences[label].append(max_parameter_difference(full, expected))
         steps = problem.n_windows
         for op in ("all_gather", "reduce_scatter"):
             rows[f"{op}, {label}"] = (counts.calls[op] // steps, counts.bytes[op] // steps)
-    # What each rank keeps between micro-batches: its gradient shard after a reduce-scatter, the
-    # whole gradient when the reduce-scatter is skipped (FSDP2 holds it internally until the window ends).
-    sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
-    layers = sum(isinstance(layer, torch.nn.Linear) for layer in model)
-    distributed.print0(f"{problem.accum_steps} micro-batches per optimizer step, {ranks.world_size} ranks")
-    distributed.print0(f"gradient bytes a rank keeps between micro-batches: {sharded} with sync (its shard), "
-                       f"{unsharded} without (the whole gradient)")
-    mistake = ("the gradients were reduce-scattered in more than the window's last backward (or in none): call "
-               "model.set_requires_gradient_sync(is_last) before each micro-batch's forward")
+    layers = sum(isinstance(layer, torch.nn.Linear) for layer in problem.model())
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    distributed.print0(f"{problem.accum_steps} micro-batches per optimizer step, {ranks.world_size} ranks, "
+                       f"P = {parameter_bytes} bytes of parameters (a rank's shard: {shard})")
     return report(
         "05_fsdp2_accumulation",
-        [max(differences[label][step] for label in LEARNERS) for step in range(problem.n_windows)],
+        [max(differences[label][step] for label in differences) for step in range(problem.n_windows)],
         rows,
-        hint="call model.set_requires_gradient_sync(is_last) before each micro-batch's forward",
-        measurements={"gradient bytes kept between micro-batches": {"with sync": sharded, "without sync": unsharded}},
-        # One reduce-scatter per fully_shard-ed layer, of its whole gradient, once per window.
-        traffic=tuple(Traffic(f"reduce_scatter, {label}", layers, unsharded, mistake) for label in LEARNERS),
+        hint="every micro-batch's gradient must reach the step: the window's last backward at least must "
+             "reduce-scatter",
+        measurements={"parameter bytes": parameter_bytes, "shard bytes": shard},
+        findings=fsdp2_budget_findings(rows, parameter_bytes, shard, problem.accum_steps, layers),
+        passed="every step equals the single-process full-batch step (3 steps), and at each budget the window "
+               "sent the fewest bytes that fit it",
     )
 
 

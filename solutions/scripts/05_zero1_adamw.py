@@ -1,4 +1,4 @@
-"""Module 5, exercise: ZeRO-1 by hand, an AdamW whose state is sharded over the ranks.
+"""Module 5b, exercise 2: ZeRO-1 by hand, an AdamW whose state is sharded over the ranks.
 
 Under DDP every rank keeps AdamW's two moments for every parameter: 2 P bytes
 of optimizer state per rank for P bytes of fp32 parameters, the same numbers on
@@ -103,7 +103,7 @@ def main(ranks):
     state = gathered_ints(optimizer_state_bytes(optimizer.inner))
     held = gathered_ints(sum(p.numel() * p.element_size() for group in optimizer.inner.param_groups
                              for p in group["params"]))
-    predicted = cost_model.cost("ZeRO-1", P=parameter_bytes, N=ranks.world_size, k=problem.accum_steps, L=3)
+    predicted = cost_model.cost("ZeRO-1", P=parameter_bytes, W=ranks.world_size, N=problem.accum_steps, L=3)
     moments = 2 * optimizer.padded * 4 // ranks.world_size  # exp_avg and exp_avg_sq, fp32, of one shard
     expected_state = moments + 4  # and AdamW's step counter, one fp32 scalar
     distributed.print0(f"optimizer state per rank: {state} bytes; the formula 2 P / W = {moments} bytes of moments "

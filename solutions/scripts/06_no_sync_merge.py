@@ -1,16 +1,14 @@
-"""Module 6, exercise 3: no_sync for owned matrices: accumulate locally, merge, reduce once.
+"""Module 6b, exercise 1: no_sync for owned matrices: accumulate locally, reduce once per window.
 
 dmuon reduces a gradient to its owner from a hook that autograd calls as soon as the
 parameter's gradient of this backward is complete (register_post_accumulate_grad_hook).
-Without no_sync that is one reduce per micro-batch: k * P_M per optimizer step.
-Inside no_sync the hook only adds the local gradient into ``p._accumulated_grad``; the
-first backward outside no_sync must *merge* it into the new gradient before the one
-reduce of the window: 1 * P_M per step.
+Inside no_sync the hook only adds the local gradient into ``p._accumulated_grad`` and
+sends nothing (``accumulate_locally``, given); outside it, ``merge_and_reduce`` runs.
 
-This script is that hook in miniature, on a replicated model (as in exercise 1);
-dmuon's own is DMuonState.on_grad in dmuon_edu/dmuon/dedicate.py. The window runs with
-no_sync on the first k-1 micro-batches, then again without no_sync at all: both must
-equal the single-process step, with k times fewer reduce bytes for the first.
+This script is that hook in miniature, on a replicated model (as in module 6a's first
+exercise). The window runs with no_sync on the first N-1 micro-batches, then again
+without no_sync at all: both must equal the single-process step, the first with N times
+fewer reduce bytes.
 
 Usage: torchrun --nproc-per-node=2 06_no_sync_merge.py [results.json]
 """
@@ -21,7 +19,7 @@ import torch.distributed as dist
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Traffic, report
+from dmuon_edu.course.data_parallel import ADAMW_TOLERANCE, Traffic, report
 from dmuon_edu.course.dmuon_problem import (
     Problem,
     average_over_ranks,
@@ -40,16 +38,19 @@ def accumulate_locally(p):
 
 
 def merge_and_reduce(p, owner):
-    """Outside no_sync: p.grad holds this backward's local gradient of p.
+    """Outside no_sync, once p.grad holds this backward's local gradient of p.
 
-    Merge p._accumulated_grad (None when nothing was accumulated) into it, and set
-    p._accumulated_grad to None, since that gradient is now on its way. Average the
-    result over the ranks onto the owner with dist.reduce(..., op=dist.ReduceOp.AVG).
-    On the owner, add it into p._reduced_grad (or store it there when that is None):
-    without no_sync every micro-batch arrives this way. Leave p.grad None on every rank.
+    What the state means: p._accumulated_grad is None, or this rank's sum of the gradients
+    that no_sync kept since the window began; p._reduced_grad, on the owner, is what the
+    owner will step with (None until something arrives). Both start the window as None.
+
+    When the window's last backward is done, the owner's p._reduced_grad must be the
+    average over the ranks of the whole window's gradient of p: with the earlier
+    micro-batches inside no_sync, and with none of them inside it (then every micro-batch
+    calls this). One collective per call.
     """
     ### BEGIN SOLUTION
-    g, p.grad = p.grad, None
+    g, p.grad = p.grad, None  # left set, the next backward would add into it: this one sent twice
     if p._accumulated_grad is not None:
         g, p._accumulated_grad = p._accumulated_grad.add_(g), None
     dist.reduce(g, dst=owner, op=dist.ReduceOp.AVG)
@@ -63,6 +64,7 @@ class OwnerGradients:
 
     def __init__(self, dedicated, owners):
         self.in_no_sync = False
+        self.grad_left_set = False  # merge_and_reduce left a gradient in p.grad
         for name, p in dedicated.items():
             p._accumulated_grad = p._reduced_grad = None
             p.register_post_accumulate_grad_hook(lambda p, owner=owners[name]: self.on_grad(p, owner))
@@ -72,6 +74,7 @@ class OwnerGradients:
             accumulate_locally(p)
         else:
             merge_and_reduce(p, owner)
+            self.grad_left_set |= p.grad is not None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -90,10 +93,13 @@ def train_window(model, hooks, microbatches, use_no_sync):
 
 
 def main(ranks):
-    """Train with and without no_sync through the hooks; grade the owners' gradients and the reduces."""
+    """Train with and without no_sync through the hooks; grade the owners' gradients, the reduces, and what the
+    hook leaves in p.grad."""
     problem = Problem()
-    rows, differences, measurements = {}, [], {}
-    for label, use_no_sync in [("no_sync on the first k-1", True), ("no no_sync", False)]:
+    last_only = problem.last_microbatch_gradients()  # what an owner steps with at step 1 if only the last arrived
+    runs = {"no_sync on the first N-1": True, "no no_sync": False}
+    rows, differences, measurements, only_the_last, grad_left_set = {}, [], {}, {}, False
+    for label, use_no_sync in runs.items():
         model = problem.model()
         dedicated = dedicated_parameters(model)
         owners = dmuon.plan_owners({name: tuple(p.shape) for name, p in dedicated.items()}, ranks.world_size)
@@ -115,31 +121,44 @@ def main(ranks):
                 average_over_ranks(symmetric)
                 adamw.step()
             gradient_differences.append(owner_gradient_difference(stepped_with, expected.gradients))
+            if len(gradient_differences) == 1:  # at step 1 the parameters are still the reference's
+                only_the_last[label] = owner_gradient_difference(stepped_with, last_only) < ADAMW_TOLERANCE
             difference = max_parameter_difference(model.parameters(), expected.parameters)
             parameter_differences.append(max(per_rank(difference)))
             model.zero_grad()
             for p in dedicated.values():  # what dmuon's optimizer.zero_grad() does too
                 p._reduced_grad = p._accumulated_grad = None
+        grad_left_set |= any(per_rank(hooks.grad_left_set))
         steps = problem.n_windows
         rows[f"reduce, {label}"] = (counts.calls["reduce"] // steps, counts.bytes["reduce"] // steps)
         differences.append([max(pair) for pair in zip(parameter_differences, gradient_differences)])
         measurements[f"gradient differences, {label}"] = gradient_differences
 
     p_m = sum(p.numel() * p.element_size() for p in dedicated.values())
-    distributed.print0(f"P_M = {p_m} bytes, k = {problem.accum_steps} micro-batches per optimizer step")
-    k, matrices = problem.accum_steps, len(dedicated)
-    mistake = ("merge_and_reduce runs once per matrix in each backward outside no_sync: one dist.reduce of the merged "
-               "gradient there, none inside no_sync (accumulate_locally keeps it)")
+    distributed.print0(f"P_M = {p_m} bytes, N = {problem.accum_steps} micro-batches per optimizer step")
+    n, matrices = problem.accum_steps, len(dedicated)
+    # Each known mistake by what it leaves behind: checked in this order, the first that fits names it.
+    if grad_left_set:
+        hint = ("merge_and_reduce left a gradient in p.grad: the next backward adds into it, so a micro-batch "
+                "already sent is sent again")
+    elif only_the_last["no no_sync"]:
+        hint = ("without no_sync every micro-batch's reduce arrives on its own, and the owner kept only the last: "
+                "add each arrival into p._reduced_grad")
+    elif only_the_last["no_sync on the first N-1"]:
+        hint = ("the gradients no_sync kept in p._accumulated_grad never left their rank, so the owner received only "
+                "the last micro-batch's: merge them into this backward's gradient before the reduce")
+    else:
+        hint = ("an owner stepped with the wrong gradient: at the window's end its p._reduced_grad must be the "
+                "ranks' average of the whole window's gradient")
+    mistake = "one reduce per matrix in each backward outside no_sync, none inside it"
     return report(
         "06_no_sync_merge",
         [max(step) for step in zip(*differences)],
         rows,
-        hint="an owner stepped with the wrong gradient: in merge_and_reduce, add p._accumulated_grad into the new "
-             "gradient (then set it to None), dist.reduce the sum to the owner with op=dist.ReduceOp.AVG, and add "
-             "the result into the owner's p._reduced_grad; leave p.grad None",
+        hint=hint,
         measurements={"P_M": p_m, **measurements},
-        traffic=(Traffic("reduce, no_sync on the first k-1", matrices, p_m, mistake),
-                 Traffic("reduce, no no_sync", k * matrices, k * p_m, mistake)),
+        traffic=(Traffic("reduce, no_sync on the first N-1", matrices, p_m, mistake),
+                 Traffic("reduce, no no_sync", n * matrices, n * p_m, mistake)),
     )
 
 

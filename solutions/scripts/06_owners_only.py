@@ -1,56 +1,55 @@
-"""Module 6, exercise 2: owners only (Z3) with dmuon: the set-up, then what each rank holds and sends.
+"""Module 6a, exercise 2: owners only (Z3) with dmuon: what does a rank hold? A prediction, graded by the run.
 
 In exercise 1 every rank held every matrix. With dmuon only the owner keeps a Muon
 matrix between optimizer steps; the other ranks free their copies and receive it by
-broadcast just before a layer's forward, free it after, and receive it again for the
+broadcast before a layer's forward, free it after, and receive it again for the
 layer's backward (Z3, ``reshard_after_forward=True``, the default). Every other
 parameter is sharded by FSDP2 (fully_shard) and stepped by AdamW on the shards.
+The set-up is the accumulation guide's (``dmuon_problem.prepare``). The script
+accumulates without no_sync.
 
-The order of the set-up matters: dedicate_params must see the plain model, so that
-the fully_shard calls after it leave the dedicated matrices alone.
-
-This script accumulates without no_sync: every micro-batch's backward reduces each
-gradient to its owner (exercise 3 fixes that).
+The script measures (``measure``), on each rank, what ``predicted`` asks about: the bytes of Muon
+matrices it holds between optimizer steps and when a layer's forward begins, and the
+broadcast buffers it has in flight at that moment.
 
 Usage: torchrun --nproc-per-node=2 06_owners_only.py [results.json]
 """
 
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import Traffic, report
+from dmuon_edu.course.data_parallel import prediction_findings, report
 from dmuon_edu.course.dmuon_problem import (
-    ADAMW_LR,
-    MUON_HYPERPARAMETERS,
+    RESIDENCY_REASONS,
     Problem,
     ResidencyProbe,
     dedicated_parameters,
     full_parameters,
-    is_dedicated,
     per_rank,
+    prepare,
 )
 
 
-def prepare(model, mesh):
-    """Set the model up for dmuon, in the accumulation guide's order, and return its optimizer.
+def predicted():
+    """Your prediction, before the run, for this model on 2 ranks (3 layers, each with 2 matrices of equal size,
+    one owned by each rank), in units of P_M, the bytes of all the Muon matrices.
 
-    Dedicate the matrices that is_dedicated(name, p) selects (Z3 is the default), then
-    fully_shard each of model.layers and the model itself on the mesh, then build
-    dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR).
+    Returns:
+        {"between steps": what a rank holds of the matrices between optimizer steps,
+         "while a layer computes": what it holds when a layer's forward begins, at most,
+         "in flight while a layer computes": the broadcast buffers it has in flight then, at most}
     """
     ### BEGIN SOLUTION
-    dmuon.dedicate_params(model, mesh, predicate=is_dedicated)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+    return {"between steps": 1 / 2,  # its own three matrices
+            "while a layer computes": 1 / 2 + 1 / 6,  # and the running layer's matrix that the other rank owns
+            "in flight while a layer computes": 1 / 3}  # the next layer's two: one received, its own copied to send
     ### END SOLUTION
 
 
-def main(ranks):
-    """Set up with prepare, accumulate without no_sync; grade what each rank sends and holds."""
+def measure(ranks):
+    """Set up with dmuon's Z3 and accumulate without no_sync: the steps against one process, the collectives, and
+    what each rank held (none of it depends on the prediction)."""
     problem = Problem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     model = problem.model().to(ranks.device)
@@ -76,37 +75,47 @@ def main(ranks):
     owned_bytes = sum(p.numel() * p.element_size() for name, p in dedicated.items() if owners[name] == ranks.rank)
     symmetric_shard_bytes = sum(p.to_local().numel() * p.element_size()
                                 for name, p in model.named_parameters() if name not in dedicated)
-    distributed.print0(f"{len(dedicated)} Muon matrices, P_M = {p_m} bytes, {problem.accum_steps} micro-batches "
-                       f"per optimizer step, no no_sync")
-    k, held = problem.accum_steps, max(held_between_steps)
-    # Between steps a rank holds exactly the matrices it owns: every rank's copies of the others are gone.
-    held_per_rank, owned_per_rank = per_rank(held), per_rank(owned_bytes)
-    findings = () if held_per_rank == owned_per_rank else (
-        f"between optimizer steps the ranks held {held_per_rank} bytes of Muon matrices where they own "
-        f"{owned_per_rank}: non-owners must not keep copies; dedicate_params(model, mesh, predicate=is_dedicated) "
-        "before any fully_shard",)
-    return report(
-        "06_owners_only",
-        differences,
-        {op: (counts.calls[op] // steps, counts.bytes[op] // steps)
-         for op in ("broadcast", "reduce", "all_gather", "reduce_scatter")},
-        hint="dedicate_params(model, mesh, predicate=is_dedicated) first, then fully_shard each layer and the model",
-        measurements={
+    return {
+        "differences": differences,
+        "collectives": {op: (counts.calls[op] // steps, counts.bytes[op] // steps)
+                        for op in ("broadcast", "reduce", "all_gather", "reduce_scatter")},
+        "measurements": {
             "P_M": p_m,
+            "N": problem.accum_steps,
             "owners": owners,
             "owned bytes": per_rank(owned_bytes),
             "dedicated bytes held between steps": per_rank(max(held_between_steps)),
             "dedicated bytes held during a forward, at most": per_rank(probe.peak),
+            "dedicated bytes in flight during a forward, at most": per_rank(probe.in_flight_peak),
+            "dedicated bytes held and in flight during a forward, at most": per_rank(probe.total_peak),
             "AdamW parameter shard bytes": per_rank(symmetric_shard_bytes),
         },
-        traffic=(
-            Traffic("broadcast", None, 2 * k * p_m,
-                    "Z3 broadcasts every matrix before each layer's forward and again before its backward, "
-                    "2k P_M per step: leave reshard_after_forward=True (the default) in dedicate_params"),
-            Traffic("reduce", None, k * p_m,
-                    "without no_sync every micro-batch reduces every matrix gradient to its owner, k P_M per step"),
-        ),
-        findings=findings,
+    }
+
+
+def main(ranks):
+    """Measure, then grade predicted() against what each rank held."""
+    run = measure(ranks)
+    measured, p_m = run["measurements"], run["measurements"]["P_M"]
+    distributed.print0(f"{len(measured['owners'])} Muon matrices, P_M = {p_m} bytes, {measured['N']} micro-batches "
+                       f"per optimizer step, no no_sync")
+    held = {"between steps": measured["dedicated bytes held between steps"],
+            "while a layer computes": measured["dedicated bytes held during a forward, at most"],
+            "in flight while a layer computes": measured["dedicated bytes in flight during a forward, at most"]}
+    for what, per_rank_bytes in held.items():
+        distributed.print0(f"{what}: {per_rank_bytes} bytes per rank = {[round(b / p_m, 3) for b in per_rank_bytes]} P_M")
+    # The plan is balanced, so every rank holds the same; a prediction is right to 0.01 P_M (2/3 as 0.67).
+    fractions = {what: (max(per_rank_bytes) / p_m,) for what, per_rank_bytes in held.items()}
+    return report(
+        "06_owners_only",
+        run["differences"],
+        run["collectives"],
+        hint="the given code no longer matches one process: start the script over "
+             "(python -m dmuon_edu.course restore 06_owners_only)",
+        measurements=measured,
+        findings=tuple(prediction_findings(predicted(), fractions, ("bytes per rank / P_M",), RESIDENCY_REASONS,
+                                           tolerance=0.01)),
+        passed="every prediction matches what each rank held, between steps and while a layer computes",
     )
 
 

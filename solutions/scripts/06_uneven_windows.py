@@ -1,11 +1,8 @@
-"""Module 6, exercise: uneven micro-batches and a short last window, under DDP and under dmuon.
+"""Module 6c, exercise 1: uneven micro-batches and a short last window, under DDP and under dmuon.
 
 Every rank runs the same number of micro-batches, but of different sizes: the ranks
 split each global micro-batch of 8 samples at random, rank 1 taking more on average.
-(A different *number* of micro-batches per rank would hang DDP: a rank would wait in
-a collective the others never call, unless the loop runs under DDP's Join context
-manager.) And the
-data does not divide into whole windows: the stream ends with a window of 3
+And the data does not divide into whole windows: the stream ends with a window of 3
 micro-batches where accum_steps is 4.
 
 train gets this rank's stream of (x, y) micro-batches, in order, and steps once per
@@ -14,6 +11,9 @@ single process on the window's samples of all ranks as one batch. model(batch).l
 is a micro-batch's mean loss. The same train runs under DDP (no_sync is
 ddp_no_sync below) and under dmuon (``dmuon.no_sync``); both average the ranks'
 gradients.
+
+The script also measures what a different *number* of micro-batches does: rank 1 with
+one more than rank 0, under DDP and the loop of dmuon's accumulation guide.
 
 Usage: torchrun --nproc-per-node=2 06_uneven_windows.py [results.json]
 """
@@ -29,7 +29,8 @@ from dmuon_edu import distributed, dmuon
 from dmuon_edu.accumulation import accumulation_windows
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.course.data_parallel import flat_gradient, report, weighting_findings
-from dmuon_edu.course.dmuon_problem import UnevenProblem, dedicated_parameters, full_parameters, prepare
+from dmuon_edu.course.dmuon_problem import (UnevenProblem, dedicated_parameters, full_parameters, guide_loop, per_rank,
+                                            prepare)
 
 
 def train(model, optimizer, dataloader, accum_steps, no_sync):
@@ -88,6 +89,31 @@ def run(problem, ranks, mesh, with_dmuon):
     return stepped, after
 
 
+def one_more_micro_batch(problem, ranks):
+    """The guide's loop under DDP with rank 1 given one micro-batch more, at the start of its stream, than rank 0:
+    does it finish, how many steps each rank takes, and what it trains on, against the same run without the extra."""
+    stream = [tuple(t.to(ranks.device) for t in batch)
+              for batch in problem.stream(ranks.rank, ranks.world_size)][:2 * problem.accum_steps]
+    runs = {}
+    for extra in (False, True):
+        model = DDP(problem.model().to(ranks.device))
+        optimizer = problem.optimizer(model.parameters())
+        batches = stream[:1] + stream if extra and ranks.rank == 1 else stream
+        steps = len(guide_loop(model, optimizer, batches, problem.accum_steps, no_sync=ddp_no_sync))
+        left = any(p.grad is not None and bool(p.grad.any()) for p in model.parameters())
+        runs[extra] = (len(batches), steps, left, [p.detach().clone() for p in model.module.parameters()])
+    count, steps, left, parameters = runs[True]
+    flat = torch.cat([p.flatten() for p in parameters])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return {"micro-batches per rank": per_rank(count), "optimizer steps per rank": per_rank(steps),
+            "a gradient never stepped, per rank": per_rank(left),
+            "largest difference between the ranks' parameters": (high - low).max().item(),
+            "largest difference from the run without the extra micro-batch":
+                max(per_rank(max_parameter_difference(parameters, runs[False][3])))}
+
+
 def main(ranks):
     """Run train under DDP and under dmuon; grade the steps taken, each step's gradient and its parameters."""
     problem = UnevenProblem()
@@ -107,12 +133,13 @@ def main(ranks):
     sizes = [sum(map(len, (x for x, _ in window))) for window in problem.windows()]
     distributed.print0(f"{ranks.world_size} ranks, windows of {problem.accum_steps} micro-batches, the last of "
                        f"{problem.leftover}: {sizes} samples per window")
+    one_more = one_more_micro_batch(problem, ranks)
     return report(
         "06_uneven_windows",
         [max(step) for step in zip(*differences)],
         {},
-        hint="weight each micro-batch's mean loss by its share of the window's samples on all ranks, times the "
-             "world size, and step after every window, the short last one too",
+        hint="every sample of a window, on any rank, must weigh the same, and every window must be stepped",
+        measurements={"one more micro-batch on rank 1": one_more},
         findings=findings,
     )
 

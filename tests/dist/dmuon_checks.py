@@ -524,6 +524,18 @@ def check_misuse(mesh):
         with dmuon.no_sync(model):
             F.mse_loss(model(x), y).backward()
     outcome["step_after_all_no_sync"] = error_of(opt.step)
+    # optimizer.step() inside dmuon.no_sync, after the window's last backward: its gradients are not reduced yet.
+    model, opt = build(mesh, zero3=True)
+    with dmuon.no_sync(model):
+        F.mse_loss(model(mine[0][0]), mine[0][1]).backward()
+        outcome["step_inside_no_sync"] = error_of(opt.step)
+    # fully_shard before dedicate_params: FSDP2 already owns the matrices.
+    torch.manual_seed(0)
+    sharded_first = Net().to(mesh.device_type)
+    for layer in sharded_first.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded_first, mesh=mesh)
+    outcome["fully_shard_first"] = error_of(lambda: dmuon.dedicate_params(sharded_first, mesh, predicate))
     # A predicate that depends on the rank: the ranks would pair their broadcasts wrongly.
     torch.manual_seed(0)
     skewed = Net().to(mesh.device_type)

@@ -4,9 +4,11 @@
 
 Each solution script defines the learner's function and ``main(ranks)``, which grades it.
 For every wrong variant below this loads the script afresh, puts the variant in place of
-the learner's function, and runs ``main``; rank 0 prints ``MUTATION {json}`` with the
+the learner's function, and runs ``main``. A prediction's script measures the given code in its
+``measure(ranks)``, which no prediction changes: that runs once, and its result serves every
+variant; rank 0 prints ``MUTATION {json}`` with the
 verdict (or the error the variant raised). tests/test_script_checks.py asserts that each
-one FAILs with the hint that names its mistake.
+wrong one FAILs with the hint that names its mistake, and each honest alternative PASSes.
 """
 
 import contextlib
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
-from dmuon_edu.course.dmuon_problem import broadcast_from_owners
+from dmuon_edu.course.dmuon_problem import broadcast_from_owners, guide_loop
 from run_scripts import load
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
@@ -44,31 +46,56 @@ def not_averaged(model):
     pass
 
 
-# --------------------------------------------------------------- 05_ddp_no_sync: accumulate_window
-def no_no_sync(ddp_model, optimizer, microbatches, loss_fn):
-    optimizer.zero_grad()
-    for x, y in microbatches:
-        (loss_fn(ddp_model(x), y) / len(microbatches)).backward()
-    optimizer.step()
+def sum_left_in_a_copy(model):
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])  # a copy: the gradients never see the sum
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
 
 
-def step_inside_no_sync(ddp_model, optimizer, microbatches, loss_fn):
-    optimizer.zero_grad()
-    with ddp_model.no_sync():
-        for x, y in microbatches:
-            (loss_fn(ddp_model(x), y) / len(microbatches)).backward()
-        optimizer.step()
+# --------------------------------------------------------------- 05_ddp_no_sync: predicted
+RIGHT_PLACEMENTS = {"backward_inside": (4, True), "forward_and_backward_inside": (1, True),
+                    "forward_inside": (1, True), "every_micro_batch_inside": (0, False)}
+
+
+def no_sync_read_in_backward():
+    return RIGHT_PLACEMENTS | {"backward_inside": (1, True), "forward_inside": (4, True)}
+
+
+def unsynced_ranks_agree():
+    return RIGHT_PLACEMENTS | {"every_micro_batch_inside": (0, True)}
+
+
+def extra_all_reduces_change_the_numbers():
+    return RIGHT_PLACEMENTS | {"backward_inside": (4, False)}
 
 
 # --------------------------------------------------------------- 05_fsdp2_accumulation: accumulate_window
-def fsdp2_syncs_every_micro_batch(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
+def _fsdp2_window(model, optimizer, microbatches, loss_fn, sync_every, keep_gathered):
+    """accumulate_window with the switches chosen whatever the budget."""
     optimizer.zero_grad()
-    for x, y in microbatches:
+    for i, (x, y) in enumerate(microbatches):
+        is_last = i == len(microbatches) - 1
+        model.set_requires_gradient_sync(sync_every or is_last)
+        if keep_gathered:
+            model.set_reshard_after_backward(is_last)
         (loss_fn(model(x), y) / len(microbatches)).backward()
     optimizer.step()
 
 
-def fsdp2_never_syncs(model, optimizer, microbatches, loss_fn, keep_parameters_gathered=False):
+def fsdp2_syncs_every_micro_batch(model, optimizer, microbatches, loss_fn, budget):
+    _fsdp2_window(model, optimizer, microbatches, loss_fn, sync_every=True, keep_gathered=False)
+
+
+def fsdp2_syncs_the_last_whatever_the_budget(model, optimizer, microbatches, loss_fn, budget):
+    _fsdp2_window(model, optimizer, microbatches, loss_fn, sync_every=False, keep_gathered=False)
+
+
+def fsdp2_keeps_gathered_whatever_the_budget(model, optimizer, microbatches, loss_fn, budget):
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    _fsdp2_window(model, optimizer, microbatches, loss_fn, sync_every=budget < parameter_bytes, keep_gathered=True)
+
+
+def fsdp2_never_syncs(model, optimizer, microbatches, loss_fn, budget):
     optimizer.zero_grad()
     for x, y in microbatches:
         model.set_requires_gradient_sync(False)
@@ -76,45 +103,24 @@ def fsdp2_never_syncs(model, optimizer, microbatches, loss_fn, keep_parameters_g
     optimizer.step()
 
 
-# --------------------------------------------------------------- 06_z2_z3_training: train
-def train_without_no_sync(model, optimizer, dataloader, accum_steps, no_sync=None):
-    losses = []
-    for i, batch in enumerate(dataloader):
-        loss = model(batch).loss / accum_steps
-        loss.backward()
-        if (i + 1) % accum_steps == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item() * accum_steps)
-    return losses
+# --------------------------------------------------------------- 06_z2_z3_training: predicted
+RIGHT_BYTES = {"Z3, no_sync": (8, 1), "Z3, no no_sync": (8, 4), "Z2, no_sync": (1, 1), "Z2, no no_sync": (1, 4)}
 
 
-def train_steps_inside_no_sync(model, optimizer, dataloader, accum_steps, no_sync=None):
-    from dmuon_edu import dmuon
-
-    losses = []
-    for i, batch in enumerate(dataloader):
-        with (no_sync or dmuon.no_sync)(model):
-            loss = model(batch).loss / accum_steps
-            loss.backward()
-            if (i + 1) % accum_steps == 0:
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item() * accum_steps)
-    return losses
+def z3_broadcasts_once_per_micro_batch():
+    return RIGHT_BYTES | {"Z3, no_sync": (4, 1), "Z3, no no_sync": (4, 4)}
 
 
-def train_steps_every_micro_batch(model, optimizer, dataloader, accum_steps, no_sync=None):
-    # Every step releases the broadcast copies, so Z2 broadcasts again in every micro-batch.
-    losses = []
-    for i, batch in enumerate(dataloader):
-        loss = model(batch).loss / accum_steps
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if (i + 1) % accum_steps == 0:
-            losses.append(loss.item() * accum_steps)
-    return losses
+def z2_broadcasts_every_micro_batch():
+    return RIGHT_BYTES | {"Z2, no_sync": (4, 1), "Z2, no no_sync": (4, 4)}
+
+
+def no_sync_reduces_every_micro_batch():
+    return RIGHT_BYTES | {"Z3, no_sync": (8, 4), "Z2, no_sync": (1, 4)}
+
+
+def wire_bytes_predicted():
+    return {config: (b / 2, r / 2) for config, (b, r) in RIGHT_BYTES.items()}
 
 
 # --------------------------------------------------------------- 06_reduce_broadcast: reduce_step_broadcast
@@ -130,6 +136,24 @@ def summed_not_averaged(dedicated, owners, muon):
         dist.reduce(p.grad, dst=owners[name], op=dist.ReduceOp.SUM)
     muon.step()
     broadcast_from_owners(dedicated, owners)
+
+
+def packed_per_owner(dedicated, owners, muon):
+    """An honest alternative, what dmuon itself does: one reduce and one broadcast per owner, its matrices packed."""
+    for owner in sorted(set(owners.values())):
+        params = [p for name, p in dedicated.items() if owners[name] == owner]
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.reduce(flat, dst=owner, op=dist.ReduceOp.AVG)
+        if dist.get_rank() == owner:
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+    muon.step()
+    for owner in sorted(set(owners.values())):
+        params = [p for name, p in dedicated.items() if owners[name] == owner]
+        flat = torch.cat([p.detach().flatten() for p in params])
+        dist.broadcast(flat, src=owner)
+        for p, values in zip(params, flat.split([p.numel() for p in params])):
+            p.detach().copy_(values.view_as(p))
 
 
 def broadcast_before_step(dedicated, owners, muon):
@@ -157,51 +181,72 @@ def stored_not_added(p, owner):
         p._reduced_grad = g
 
 
-# --------------------------------------------------------------- 06_owners_only: prepare
-def _prepare(model, mesh, fully_shard_first=False, **dedicate_settings):
-    from torch.distributed.fsdp import fully_shard
-
-    from dmuon_edu import dmuon
-    from dmuon_edu.course.dmuon_problem import ADAMW_LR, MUON_HYPERPARAMETERS, is_dedicated
-
-    def shard():
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-
-    if fully_shard_first:
-        shard()
-    dmuon.dedicate_params(model, mesh, predicate=is_dedicated, **dedicate_settings)
-    if not fully_shard_first:
-        shard()
-    return dmuon.Muon(model, **MUON_HYPERPARAMETERS, adamw_lr=ADAMW_LR)
+def grad_left_set(p, owner):
+    g = p.grad  # the reduce works on p.grad itself, and the next backward adds into it
+    if p._accumulated_grad is not None:
+        g, p._accumulated_grad = p._accumulated_grad.add_(g), None
+    dist.reduce(g, dst=owner, op=dist.ReduceOp.AVG)
+    if dist.get_rank() == owner:
+        p._reduced_grad = g.clone() if p._reduced_grad is None else p._reduced_grad.add_(g)
 
 
-def prepare_z2(model, mesh):
-    return _prepare(model, mesh, reshard_after_forward=False)
+# --------------------------------------------------------------- 06_owners_only: predicted
+RIGHT_RESIDENCY = {"between steps": 1 / 2, "while a layer computes": 2 / 3, "in flight while a layer computes": 1 / 3}
 
 
-def prepare_fully_shard_first(model, mesh):
-    return _prepare(model, mesh, fully_shard_first=True)
+def residency_replicated_at_rest():
+    return RIGHT_RESIDENCY | {"between steps": 1.0}
+
+
+def residency_whole_model_while_computing():
+    return RIGHT_RESIDENCY | {"while a layer computes": 1.0}
+
+
+def residency_without_prefetch():
+    return RIGHT_RESIDENCY | {"in flight while a layer computes": 0.0}
+
+
+def residency_receive_buffers_only():
+    return RIGHT_RESIDENCY | {"in flight while a layer computes": 1 / 6}
 
 
 # --------------------------------------------------------------- 06_save_and_resume: resume
-def resume_model_only(model, optimizer, path):
-    state = {"model": dmuon.get_model_state_dict(model, dmuon.StateDictOptions())}
-    checkpoint.load(state, path)
+def _sharded(model, optimizer, parts=("model", "optim")):
+    sharded = dmuon.StateDictOptions()
+    state = {"model": lambda: dmuon.get_model_state_dict(model, sharded),
+             "optim": lambda: dmuon.get_optimizer_state_dict(model, optimizer, sharded)}
+    return {part: state[part]() for part in parts}
+
+
+def resume_model_only(model, optimizer, root):
+    state = _sharded(model, optimizer, ("model",))
+    checkpoint.load(state, checkpoint.latest(root))
     dmuon.set_model_state_dict(model, state["model"])
 
 
-def resume_optimizer_only(model, optimizer, path):
-    state = {"optim": dmuon.get_optimizer_state_dict(model, optimizer, dmuon.StateDictOptions())}
-    checkpoint.load(state, path)
+def resume_optimizer_only(model, optimizer, root):
+    state = _sharded(model, optimizer, ("optim",))
+    checkpoint.load(state, checkpoint.latest(root))
     dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-def loaded_but_not_handed_back(model, optimizer, path):
-    sharded = dmuon.StateDictOptions()
-    checkpoint.load({"model": dmuon.get_model_state_dict(model, sharded),
-                     "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}, path)
+def loaded_but_not_handed_back(model, optimizer, root):
+    checkpoint.load(_sharded(model, optimizer), checkpoint.latest(root))
+
+
+def _resume_from(model, optimizer, path):
+    state = _sharded(model, optimizer)
+    checkpoint.load(state, path)
+    dmuon.set_model_state_dict(model, state["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def resume_newest_folder(model, optimizer, root):
+    _resume_from(model, optimizer, max(Path(root).iterdir()))  # step-3: its save was cut short
+
+
+def resume_first_checkpoint(model, optimizer, root):
+    _resume_from(model, optimizer, min(Path(root).iterdir()))  # step-1: complete, but not the newest
 
 
 # --------------------------------------------------------------- 05_token_weighted_ddp: accumulate_window
@@ -248,14 +293,7 @@ def token_padding_counted(ddp_model, optimizer, microbatches):
 # --------------------------------------------------------------- 06_uneven_windows: train
 def guide_loop_drops_leftover(model, optimizer, dataloader, accum_steps, no_sync):
     """The loop of dmuon's accumulation guide, with the no_sync it is given."""
-    for i, batch in enumerate(dataloader):
-        is_accumulating = (i + 1) % accum_steps != 0
-        with no_sync(model) if is_accumulating else contextlib.nullcontext():
-            loss = model(batch).loss / accum_steps
-            loss.backward()
-        if not is_accumulating:
-            optimizer.step()
-            optimizer.zero_grad()
+    guide_loop(model, optimizer, dataloader, accum_steps, no_sync)
 
 
 def _uneven_train(model, optimizer, dataloader, accum_steps, no_sync, weight):
@@ -291,6 +329,16 @@ def local_sample_count(model, optimizer, dataloader, accum_steps, no_sync):
 def sample_average_not_undone(model, optimizer, dataloader, accum_steps, no_sync):
     _uneven_train(model, optimizer, dataloader, accum_steps, no_sync,
                   lambda window, batch: len(batch[0]) / _over_ranks(_samples(window)))
+
+
+def zero_grad_every_micro_batch(model, optimizer, dataloader, accum_steps, no_sync):
+    for window in accumulation_windows(dataloader, accum_steps):
+        count = _over_ranks(_samples(window))
+        for i, batch in enumerate(window):
+            optimizer.zero_grad()  # clears what the window's earlier micro-batches added
+            with contextlib.nullcontext() if i == len(window) - 1 else no_sync(model):
+                (model(batch).loss * len(batch[0]) * dist.get_world_size() / count).backward()
+        optimizer.step()
 
 
 # --------------------------------------------------------------- 05_bucketed_ddp: BucketedAllReduce
@@ -396,10 +444,13 @@ MUTATIONS = [
     ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
     ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
     ("05_allreduce_by_hand", "average_gradients", not_averaged),
-    ("05_ddp_no_sync", "accumulate_window", "forward_outside_no_sync"),  # the script's own wrong placement
-    ("05_ddp_no_sync", "accumulate_window", no_no_sync),
-    ("05_ddp_no_sync", "accumulate_window", step_inside_no_sync),
+    ("05_allreduce_by_hand", "average_gradients", sum_left_in_a_copy),
+    ("05_ddp_no_sync", "predicted", no_sync_read_in_backward),
+    ("05_ddp_no_sync", "predicted", unsynced_ranks_agree),
+    ("05_ddp_no_sync", "predicted", extra_all_reduces_change_the_numbers),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_every_micro_batch),
+    ("05_fsdp2_accumulation", "accumulate_window", fsdp2_syncs_the_last_whatever_the_budget),
+    ("05_fsdp2_accumulation", "accumulate_window", fsdp2_keeps_gathered_whatever_the_budget),
     ("05_fsdp2_accumulation", "accumulate_window", fsdp2_never_syncs),
     ("05_bucketed_ddp", "BucketedAllReduce", wait_right_away),
     ("05_bucketed_ddp", "BucketedAllReduce", all_reduce_every_parameter),
@@ -413,16 +464,23 @@ MUTATIONS = [
     ("06_reduce_broadcast", "reduce_step_broadcast", all_reduce_instead_of_reduce),
     ("06_reduce_broadcast", "reduce_step_broadcast", summed_not_averaged),
     ("06_reduce_broadcast", "reduce_step_broadcast", broadcast_before_step),
+    ("06_reduce_broadcast", "reduce_step_broadcast", packed_per_owner),
     ("06_no_sync_merge", "merge_and_reduce", accumulated_not_merged),
     ("06_no_sync_merge", "merge_and_reduce", stored_not_added),
-    ("06_owners_only", "prepare", prepare_z2),
-    ("06_owners_only", "prepare", prepare_fully_shard_first),
-    ("06_z2_z3_training", "train", train_without_no_sync),
-    ("06_z2_z3_training", "train", train_steps_inside_no_sync),
-    ("06_z2_z3_training", "train", train_steps_every_micro_batch),
+    ("06_no_sync_merge", "merge_and_reduce", grad_left_set),
+    ("06_owners_only", "predicted", residency_replicated_at_rest),
+    ("06_owners_only", "predicted", residency_whole_model_while_computing),
+    ("06_owners_only", "predicted", residency_without_prefetch),
+    ("06_owners_only", "predicted", residency_receive_buffers_only),
+    ("06_z2_z3_training", "predicted", z3_broadcasts_once_per_micro_batch),
+    ("06_z2_z3_training", "predicted", z2_broadcasts_every_micro_batch),
+    ("06_z2_z3_training", "predicted", no_sync_reduces_every_micro_batch),
+    ("06_z2_z3_training", "predicted", wire_bytes_predicted),
     ("06_save_and_resume", "resume", resume_model_only),
     ("06_save_and_resume", "resume", resume_optimizer_only),
     ("06_save_and_resume", "resume", loaded_but_not_handed_back),
+    ("06_save_and_resume", "resume", resume_newest_folder),
+    ("06_save_and_resume", "resume", resume_first_checkpoint),
     ("05_token_weighted_ddp", "accumulate_window", token_mean_per_micro_batch),
     ("05_token_weighted_ddp", "accumulate_window", token_local_count),
     ("05_token_weighted_ddp", "accumulate_window", token_average_not_undone),
@@ -432,23 +490,28 @@ MUTATIONS = [
     ("06_uneven_windows", "train", short_window_over_accum_steps),
     ("06_uneven_windows", "train", local_sample_count),
     ("06_uneven_windows", "train", sample_average_not_undone),
+    ("06_uneven_windows", "train", zero_grad_every_micro_batch),
 ]
 
 
 def main():
     sys.argv = sys.argv[:1]  # the scripts write a results file when given a path: not here
+    runs = {}  # a prediction's script: what its measure() ran, which no prediction changes
     with distributed.session() as ranks:
         for script, function, variant in MUTATIONS:
             module = load(SCRIPTS / f"{script}.py")
-            wrong = getattr(module, variant) if isinstance(variant, str) else variant
-            setattr(module, function, wrong)
+            if hasattr(module, "measure"):
+                if script not in runs:
+                    runs[script] = module.measure(ranks)
+                module.measure = lambda ranks, run=runs[script]: run
+            setattr(module, function, variant)
             try:
                 result = module.main(ranks)
                 outcome = {"status": result.status, "message": result.message}
             except RuntimeError as error:
                 outcome = {"status": "RAISED", "message": str(error)}
             distributed.barrier()
-            distributed.print0("MUTATION " + json.dumps({"script": script, "variant": wrong.__name__, **outcome}))
+            distributed.print0("MUTATION " + json.dumps({"script": script, "variant": variant.__name__, **outcome}))
 
 
 if __name__ == "__main__":
