@@ -17,8 +17,9 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing dmuon_edu and its course tools into $(VENV) ..."
+	@# --no-compile: Python compiles a module when it is first imported; compiling every installed file up front took a minute.
 	@# The machine's pip configuration names extra package folders that may be absent; hide pip's noise about them.
-	@$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[course,test]' 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+	@$(PY) -m pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[course,test]' 2>&1 | { grep -v 'is ignored: it is neither' || true; }
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -354,6 +354,7 @@ def _row(result, notebook):
     return [line for line in result.stdout.splitlines() if line.startswith(notebook)]
 
 
+@pytest.mark.serial  # shares the grading run whose time a hang guard asserts
 def test_a_notebook_that_is_not_json_is_a_row_and_the_others_are_graded(broken_folder_run):
     result, _ = broken_folder_run
     [row] = _row(result, "00_not_json")
@@ -362,6 +363,7 @@ def test_a_notebook_that_is_not_json_is_a_row_and_the_others_are_graded(broken_f
     assert result.returncode == 1 and "0 of 2 exercises passed" in result.stdout
 
 
+@pytest.mark.serial  # shares the grading run whose time a hang guard asserts
 def test_a_dead_kernel_is_a_row(broken_folder_run):
     result, _ = broken_folder_run
     notebook_row, exercise_row = _row(result, "01_kills_its_kernel")
@@ -370,6 +372,7 @@ def test_a_dead_kernel_is_a_row(broken_folder_run):
     assert processes_running(f"sleep {SLEEPERS['dies']}") == []  # orphaned when its kernel died, found anyway
 
 
+@pytest.mark.serial  # shares the grading run whose time a hang guard asserts
 def test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_behind(broken_folder_run):
     result, seconds = broken_folder_run
     notebook_row, exercise_row = _row(result, "02_endless_loop")
@@ -380,6 +383,7 @@ def test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_be
     assert processes_running(f"sleep {SLEEPERS['loop']}") == []
 
 
+@pytest.mark.serial  # shares the grading run whose time a hang guard asserts
 def test_a_cell_cannot_reach_the_graders_folder_or_home_by_a_relative_path_or_tilde(broken_folder_run,
                                                                                       outside_folders):
     result, _ = broken_folder_run
