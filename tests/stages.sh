@@ -27,6 +27,7 @@ stage() {
     echo "=== $name: ${seconds[-1]} s of $budget, ${results[-1]}"
 }
 
+# Each pytest run lists its 10 costliest tests or cells (docs/benchmarks.md keeps a table of them).
 # The numerically sensitive tests and notebooks run a second time as a CPU without native bf16 computes
 # them (most laptops): torch's AVX2 kernels, and the Newton-Schulz dtype such a CPU's dtype="auto" takes.
 # The CPU's flags ignore the kernel variables, hence DMUON_EDU_NS_DTYPE. Those notebooks run only so.
@@ -37,7 +38,7 @@ NATIVE_NOTEBOOKS=()
 for notebook in solutions/*.ipynb; do
     [[ " ${EMULATED_NOTEBOOKS[*]} " == *" $notebook "* ]] || NATIVE_NOTEBOOKS+=("$notebook")
 done
-NBVAL=(-m pytest -q -p no:cacheprovider --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg)
+NBVAL=(-m pytest -q -p no:cacheprovider --durations=10 --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg)
 
 # chromium's apt-get and pip's install wait on disk and network, not on each other: run them side by side.
 install() {
@@ -57,14 +58,14 @@ install() {
 # they assert is not the time of a test beside them.
 unit() {
     local rc=0
-    $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not torchrun and not serial" tests || rc=1
+    $PY -m pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadfile -m "not torchrun and not serial" tests || rc=1
     $PY -m pytest -q -p no:cacheprovider -m "serial and not torchrun" tests || rc=1
     return $rc
 }
 
 stage "install, and chromium for the browser test" 150 install
 stage "unit tests" 120 unit
-stage "torchrun scripts and distributed tests" 200 $PY -m pytest -q -p no:cacheprovider -m torchrun tests
+stage "torchrun scripts and distributed tests" 200 $PY -m pytest -q -p no:cacheprovider --durations=10 -m torchrun tests
 stage "solution notebooks (nbval)" 180 $PY "${NBVAL[@]}" "${NATIVE_NOTEBOOKS[@]}"
 emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then the tests, then the notebooks
     local rc=0

@@ -91,7 +91,10 @@ SHAPES = [(32, 32), (32, 32), (24, 96), (80, 20), (256, 512)]
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_float32_step_matches_the_float64_contract(adjust_lr_fn, nesterov, weight_decay):
-    W0s, grads = random(SHAPES, steps=4)
+    # The hyperparameters act outside Newton-Schulz, so one combination carries the Gram-space shape
+    # (the float64 contract on it is most of this test's time); the others prove the step's algebra.
+    gram_case = (adjust_lr_fn, nesterov, weight_decay) == ("match_rms_adamw", True, 0.1)
+    W0s, grads = random(SHAPES if gram_case else SHAPES[:-1], steps=4)
     hyper = dict(momentum=0.9, nesterov=nesterov, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
     params, _ = run(Muon, W0s, grads, lr=0.05, ns_dtype=torch.float32, **hyper)
     for i, (p, W0) in enumerate(zip(params, W0s)):
