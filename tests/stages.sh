@@ -30,10 +30,11 @@ stage() {
 # Each pytest run lists its 10 costliest tests or cells (docs/benchmarks.md keeps a table of them).
 # The numerically sensitive tests and notebooks run a second time as a CPU without native bf16 computes
 # them (most laptops): torch's AVX2 kernels, and the Newton-Schulz dtype such a CPU's dtype="auto" takes.
-# The CPU's flags ignore the kernel variables, hence DMUON_EDU_NS_DTYPE. Those notebooks run only so.
+# The CPU's flags ignore the kernel variables, hence DMUON_EDU_NS_DTYPE. Those notebooks run only so
+# (4a runs Newton-Schulz only in the float32 or float64 its cells name: it runs natively).
 EMULATED_AVX2=(env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DMUON_EDU_NS_DTYPE=float32)
 EMULATED_TESTS=(tests/test_newton_schulz.py tests/test_muon.py tests/test_capstone.py tests/test_accumulation.py)
-EMULATED_NOTEBOOKS=(solutions/04_muon_and_newton_schulz.ipynb solutions/07_capstone.ipynb)
+EMULATED_NOTEBOOKS=(solutions/04b_muon_optimizer.ipynb solutions/07_capstone.ipynb)
 NATIVE_NOTEBOOKS=()
 for notebook in solutions/*.ipynb; do
     [[ " ${EMULATED_NOTEBOOKS[*]} " == *" $notebook "* ]] || NATIVE_NOTEBOOKS+=("$notebook")

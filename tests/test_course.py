@@ -403,3 +403,46 @@ def test_the_cell_timeout_must_be_positive_and_finite(capsys, timeout):
     with pytest.raises(SystemExit):
         cli.main(["check", "--cell-timeout", timeout])
     assert f"a cell timeout is a positive, finite number of seconds, got {timeout}" in capsys.readouterr().err
+
+
+# What `make check NB=..` grades, per selector: notebooks by name, and the scripts each notebook runs,
+# read from the notebook (06a's scripts are named 06_*, not 06a_*). Nothing is executed.
+_M04 = ["04a_newton_schulz", "04b_muon_optimizer"]
+_SCRIPTS_05A = ["05_allreduce_by_hand", "05_ddp_no_sync", "05_fsdp2_accumulation"]
+_SCRIPTS_05B = ["05_bucketed_ddp", "05_zero1_adamw"]
+_SCRIPTS_06A, _SCRIPTS_06B = ["06_owners_only", "06_reduce_broadcast"], ["06_no_sync_merge", "06_z2_z3_training"]
+_SCRIPTS_06C = ["06_save_and_resume", "06_uneven_windows"]
+SELECTIONS = {
+    "01": (["01_loss_scaled_accumulation"], []),
+    "02": (["02_zero_grad_pitfalls"], []),
+    "03": (["03_accumulation_in_real_training"], []),
+    "04": (_M04, []),
+    "04a": (_M04[:1], []),
+    "04b": (_M04[1:], []),
+    "05": (["05a_data_parallel_accumulation", "05b_bucketed_ddp_and_zero1", "05c_token_weighted_ddp"],
+           sorted(_SCRIPTS_05A + _SCRIPTS_05B + ["05_token_weighted_ddp"])),
+    "05a": (["05a_data_parallel_accumulation"], _SCRIPTS_05A),
+    "05b": (["05b_bucketed_ddp_and_zero1"], _SCRIPTS_05B),
+    "05c": (["05c_token_weighted_ddp"], ["05_token_weighted_ddp"]),
+    "06": (["06a_dmuon_owner_ranks", "06b_dmuon_no_sync_z2_z3", "06c_dmuon_uneven_data_and_checkpoints"],
+           sorted(_SCRIPTS_06A + _SCRIPTS_06B + _SCRIPTS_06C)),
+    "06a": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
+    "06b": (["06b_dmuon_no_sync_z2_z3"], _SCRIPTS_06B),
+    "06c": (["06c_dmuon_uneven_data_and_checkpoints"], _SCRIPTS_06C),
+    "07": (["07_capstone"], []),
+    "notebooks/06a_dmuon_owner_ranks.ipynb": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
+    "06_owners": ([], ["06_owners_only"]),
+}
+
+
+@pytest.mark.parametrize("selector", SELECTIONS)
+def test_check_selects_each_modules_notebooks_and_the_scripts_they_run(selector, monkeypatch):
+    monkeypatch.chdir(notebooks.ROOT)  # a notebook path is relative to the repository
+    picked, scripts = cli.selection(selector)
+    assert ([p.stem for p in picked], [s.stem for s in scripts]) == SELECTIONS[selector]
+
+
+def test_check_without_a_selector_grades_every_notebook_and_every_script():
+    picked, scripts = cli.selection(None)
+    assert [p.name for p in picked] == sorted(p.name for p in notebooks.NOTEBOOKS.glob("*.ipynb"))
+    assert [s.name for s in scripts] == sorted(s.name for s in (notebooks.NOTEBOOKS / "scripts").glob("*.py"))

@@ -27,6 +27,19 @@ def select(folder: Path, selector: str | None, pattern: str = "*.ipynb") -> list
     return [p for p in sorted(folder.glob(pattern)) if selector is None or p.name.startswith(selector)]
 
 
+def selection(selector: str | None) -> tuple[list[Path], list[Path]]:
+    """What `check SELECTOR` grades: the notebooks it names and the exercise scripts those notebooks run.
+
+    A notebook's scripts are read from the notebook itself, since their names need not share its prefix
+    (06a runs scripts/06_owners_only.py); a selector that starts a script's name picks that script too.
+    """
+    notebooks = select(NOTEBOOKS, selector)
+    scripts = {script for notebook in notebooks for script in called_scripts(notebook)}
+    if not (selector and Path(selector).suffix == ".ipynb"):
+        scripts.update(select(NOTEBOOKS / "scripts", selector, "*.py"))
+    return notebooks, sorted(scripts)
+
+
 def seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):
@@ -81,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"executing {_shown(path)}", flush=True)
             execute(path)
         return 0
-    notebooks = select(NOTEBOOKS, args.selector)
-    scripts = select(NOTEBOOKS / "scripts", args.selector, "*.py")
-    if args.selector and Path(args.selector).suffix == ".ipynb":  # one notebook: its exercise scripts with it
-        scripts = called_scripts(Path(args.selector))
+    notebooks, scripts = selection(args.selector)
     if not notebooks and not scripts:
         raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}")
     statuses = [status for path in notebooks for status in grade(path, args.cell_timeout)]
