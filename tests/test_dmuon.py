@@ -195,6 +195,48 @@ def test_checkpoint_roundtrip_resumes_bit_identically(checks):
     assert c["max_abs_diff_after_resume"] == 0.0 and c["lr_after"] == c["lr_expected"], c
 
 
+# The step's all-reduce carries six float64 numbers (optim.py); dmuon.clip_grad_norm_ all-reduces one float32.
+STEP_ALL_REDUCE_BYTES, CLIP_ALL_REDUCE_BYTES = 6 * 8, 4
+
+
+@pytest.mark.parametrize("config", ["no_sync", "sync_every_micro_batch"])
+def test_the_ddp_backend_matches_one_process_and_ddp_with_replicated_muon(checks, config):
+    # dedicate_params_ddp + replicate on 2 ranks, 3 steps of 3 unequal micro-batches, clipping and an lr schedule,
+    # against one process on the full batch and against torch DDP with Muon on every rank (float32 Newton-Schulz
+    # everywhere). The same 1e-5 as FSDP2: the AVG reduce to the owner and the all-reduce reorder float32 sums
+    # of per-rank gradients (relative ~1e-7), and nothing else differs.
+    c = real_use(checks, f"ddp_{config}")
+    assert c["max_abs_diff"] < TOLERANCE and c["max_abs_diff_to_ddp_replicated_muon"] < TOLERANCE, c
+    assert c["largest_change"] > 1000 * TOLERANCE, c
+    # every rank holds every matrix; each matrix has one owner, the only rank that steps it; both ranks own some
+    assert c["held_everywhere"] and c["owners"] == [0, 1] and c["steppers"] == [1] * 12, c
+
+
+@pytest.mark.parametrize("config", ["no_sync", "sync_every_micro_batch"])
+def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
+    # Per optimizer step, as count_comm counts (the whole tensor on every rank taking part), with P_M the
+    # dedicated matrices' bytes, P_R the rest's and k micro-batches (1 reducing pass with no_sync):
+    # reduce to the owners k' * P_M, broadcast of the results P_M, all-reduce k' * P_R plus the step's and the
+    # clip's few numbers. DDP with replicated Muon all-reduces k' * (P_M + P_R): on the wire a ring all-reduce
+    # moves 2 (W-1)/W of it per rank, a reduce and a broadcast (W-1)/W each, so the matrices cost the same
+    # bytes and the backend saves the W-1 redundant Newton-Schulz runs per matrix.
+    c = real_use(checks, f"ddp_{config}")
+    passes = 1 if config == "no_sync" else c["k"]
+    p_m, p_r = c["dedicated_bytes"], c["replicated_bytes"]
+    for mine, peer in zip(c["per_rank"], c["peer_per_rank"]):
+        assert mine["reduce"] == passes * p_m and mine["broadcast"] == p_m, c
+        assert mine["all_reduce"] == passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES, c
+        assert peer["all_reduce"] == passes * (p_m + p_r), c
+
+
+def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_and_a_hook_boundary(checks):
+    c = real_use(checks, "ddp_resume_and_policy")
+    assert c["max_abs_diff_after_resume"] == 0.0, c  # the same state, the same operations: bit for bit
+    # one matrix routed to AdamW by param_policy, hooks on the blocks: the same tolerance against one process
+    assert c["policy_max_abs_diff"] < TOLERANCE and c["policy_largest_change"] > 1000 * TOLERANCE, c
+    assert c["units"] == ["layers.0", "layers.1", "layers.2"], c
+
+
 def test_the_accumulation_guide_loop_trains():
     result = torchrun(DIST / "accumulation_guide_loop.py", nproc=2, timeout=180, echo=False)
     losses = [float(line.rsplit("=", 1)[1]) for line in result.stdout(0).splitlines() if line.startswith("step ")]

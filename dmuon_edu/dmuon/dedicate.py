@@ -53,7 +53,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,13 @@ class Unit:
 
 @dataclass
 class DMuonState:
+    # The entry point that builds this kind of state, the calls that go with it (for messages), and whether
+    # every rank holds every dedicated matrix between uses (the DDP backend, ddp.py) or only its owner does.
+    entry: ClassVar[str] = "dedicate_params"
+    order_of_calls: ClassVar[str] = ("call dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard "
+                                     "the layers and the model")
+    holds_every_matrix: ClassVar[bool] = False
+
     model: nn.Module = field(repr=False)
     mesh: DeviceMesh
     reshard_after_forward: bool
@@ -533,15 +540,25 @@ def dedicate_params(
             f"every rank of the process group; build it with init_device_mesh('{mesh.device_type}', "
             "(dist.get_world_size(),)) after the process group exists"
         )
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise RuntimeError(
-            "the model is already sharded by fully_shard: call dmuon.dedicate_params(model, mesh, predicate) "
-            "first, then fully_shard the layers and the model"
-        )
-    if getattr(model, "_dmuon", None) is not None:
-        raise RuntimeError("dedicate_params was already called on this model; call it once")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True (Z3) or False (Z2), got {reshard_after_forward!r}")
+    return dedicate(DMuonState, model, mesh, predicate, compute_dtype, reshard_after_forward, replicate_mesh,
+                    hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver, param_policy,
+                    param_policy_fn)
+
+
+def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, predicate, compute_dtype,
+             reshard_after_forward: bool, replicate_mesh: DeviceMesh | None, hook_boundary_predicate,
+             hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn) -> dict[str, int]:
+    """What dedicate_params and dedicate_params_ddp (ddp.py) share once their meshes are checked: the
+    selection and its checks, the plan, the per-parameter records and hooks, the units. ``state_type`` says
+    who holds a matrix between uses (DMuonState: its owner only)."""
+    entry = state_type.entry
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(f"the model is already sharded by fully_shard: {state_type.order_of_calls}")
+    if getattr(model, "_dmuon", None) is not None:
+        raise RuntimeError(f"{entry} (or another dmuon entry point) was already called on this model; call it once")
     _require_predicate(predicate)
     check_hook_boundary_arguments(hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
 
@@ -552,6 +569,14 @@ def dedicate_params(
             "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
         )
     policies = resolve_param_policies(selected, compute_dtype, param_policy, param_policy_fn)
+    if state_type.holds_every_matrix:
+        sharded = next((name for name, policy in policies.items() if policy.route == "sharded_adamw"), None)
+        if sharded is not None:
+            raise ValueError(
+                f"param_policy routes {sharded} to 'sharded_adamw', AdamW on fully_shard's shards, but {entry} "
+                "shards nothing: route it to 'adamw' (its owner steps it with AdamW), or leave it out of the "
+                "predicate (dmuon.replicate then all-reduces its gradient and every rank steps it with AdamW)"
+            )
     # "sharded_adamw" is AdamW on shards: what fully_shard does with a parameter dmuon leaves alone.
     params = {fqn(name): p for name, p in selected.items() if policies[name].route != "sharded_adamw"}
     if not params:
@@ -569,23 +594,23 @@ def dedicate_params(
         if p.device.type != mesh.device_type:
             raise ValueError(
                 f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
-                f"device first (e.g. model.to('{mesh.device_type}')), then call dedicate_params"
+                f"device first (e.g. model.to('{mesh.device_type}')), then call {entry}"
             )
         # A dedicated matrix travels as one block of memory of its own, and its non-owners free that memory.
         if not p.is_contiguous():
             raise ValueError(f"{name} is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
                              "travels as one block of memory of its own: replace it with "
-                             "nn.Parameter(weight.detach().contiguous()) before dedicate_params")
+                             f"nn.Parameter(weight.detach().contiguous()) before {entry}")
         if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
             raise ValueError(f"{name} shares its storage with another tensor (it is a view into a larger one); "
                              "dedicated parameters need their own: replace it with "
-                             "nn.Parameter(weight.detach().clone()) before dedicate_params")
+                             f"nn.Parameter(weight.detach().clone()) before {entry}")
 
     dedicated = {id(p) for p in params.values()}
     aliases = [(alias, p) for alias, p in model.named_parameters(remove_duplicate=False) if id(p) in dedicated]
     boundaries = hook_boundaries(model, aliases, hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
     policy_of = {fqn(name): policy for name, policy in policies.items()}
-    key, rank_at = _agree_on_every_rank(params, policy_of, mesh, replicate_mesh)
+    key, rank_at = _agree_on_every_rank(entry, params, policy_of, mesh, replicate_mesh)
     shards = mesh.size()
     plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
     # Owner g of the plan: replica g // shards, shard index g % shards.
@@ -596,7 +621,7 @@ def dedicate_params(
     replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank(),
                                        dist.get_process_group_ranks(replicate_mesh.get_group()))
                        if replicate_mesh is not None else None)
-    state = DMuonState(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
+    state = state_type(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
@@ -627,8 +652,8 @@ def _require_predicate(predicate) -> None:
         pass
 
 
-def _agree_on_every_rank(params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy], mesh: DeviceMesh,
-                         replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
+def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy],
+                         mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
     """Every rank must dedicate the same matrices, with the same shapes, dtypes and policies, or the broadcasts
     pair wrongly; with a replicate mesh, the two axes must cover the process group as a grid.
 
@@ -645,14 +670,14 @@ def _agree_on_every_rank(params: dict[str, nn.Parameter], policies: dict[str, DM
         dist.all_gather_object(everyone, here, group=group)
     except RuntimeError as error:
         raise RuntimeError(
-            "dedicate_params: not every rank called dedicate_params within the collective timeout. Every rank "
+            f"{entry}: not every rank called {entry} within the collective timeout. Every rank "
             "must call it, with the same model and predicate"
         ) from error
     for _, theirs, _, rank in everyone:
         if theirs != mine:
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
-                f"dedicate_params: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
+                f"{entry}: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype, param_dtype, grad_dtype, "
                 "optimizer). The predicate and the policy must select the same on every rank: make them depend "
                 "on names and shapes only"
