@@ -20,10 +20,12 @@ off: cuBLAS and the CPU's BLAS sum float32 products in other orders, which is th
 ~1e-7 relative reordering, so the same 1e-5 holds (not yet run on a GPU).
 """
 
+import concurrent.futures
 import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +237,41 @@ def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_and_a_hook_boundary(
     # one matrix routed to AdamW by param_policy, hooks on the blocks: the same tolerance against one process
     assert c["policy_max_abs_diff"] < TOLERANCE and c["policy_largest_change"] > 1000 * TOLERANCE, c
     assert c["units"] == ["layers.0", "layers.1", "layers.2"], c
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hsdp_across_two_torchrun_agents_matches_one_process(tmp_path):
+    # Two torchrun agents, each its own process as on two machines, meet at a c10d rendezvous on 127.0.0.1
+    # (the first to start serves it) and take node ranks 0 and 1 in the order they join, which the test does not
+    # assume. The launcher ends each agent after 180 s, whatever it waits for (the rendezvous included, whose
+    # own join timeout is torchrun's 600 s); the collectives have the session's timeout.
+    records = tmp_path / "checks.jsonl"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    with concurrent.futures.ThreadPoolExecutor(2) as agents:
+        launches = [agents.submit(torchrun, DIST / "multinode_hsdp.py", nproc=2, nnodes=2, rdzv_endpoint=endpoint,
+                                  timeout=180, echo=False, env={check_channel.ENV: str(records), "AGENT": agent})
+                    for agent in ("a", "b")]
+        for launch in launches:
+            launch.result(timeout=200)
+    c = check_channel.read(records)
+    ranks = c["placement"]["ranks"]
+    # one agent per node rank, whichever; each holds global ranks node rank * 2 + local rank
+    assert sorted((r["agent"], r["node_rank"]) for r in ranks if r["local_rank"] == 0) in (
+        [("a", 0), ("b", 1)], [("a", 1), ("b", 0)]), ranks
+    assert all(r["rank"] == 2 * r["node_rank"] + r["local_rank"] for r in ranks), ranks
+    node_of = {r["rank"]: r["node_rank"] for r in ranks}
+    for r in ranks:  # the shard axis within a node, the replicate axis across the nodes
+        assert {node_of[q] for q in r["shard_group"]} == {r["node_rank"]}, ranks
+        assert sorted(node_of[q] for q in r["replicate_group"]) == [0, 1], ranks
+    # The same tolerance as HSDP on one node: the sums over ranks are reordered the same way.
+    e = c["equivalence_z3_no_sync_hsdp"]
+    assert e["max_abs_diff"] < TOLERANCE and e["largest_change"] > 1000 * TOLERANCE, e
+    assert c["storage_z3_no_sync_hsdp"]["ok_every_step_every_rank"]
 
 
 def test_the_accumulation_guide_loop_trains():
