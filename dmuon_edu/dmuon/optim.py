@@ -61,6 +61,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from dmuon_edu import muon as single_device
 
+from . import tp
 from .clip import MuonGradClipStats, clip_grad_norm_
 from .ddp import replicated_params
 from .dedicate import state_of
@@ -220,7 +221,8 @@ class Muon(torch.optim.Optimizer):
                 order.mode = order_check
         steps = self._dmuon.steps
         muon_groups, adamw_groups = groups[0::2], groups[1::2]
-        self._muon = _OwnerMuon([{"params": [p for p in g["params"] if steps(p)]} for g in muon_groups], backend,
+        stepped = self._dmuon.stepped  # a TP-sharded matrix's owner steps a full-shape proxy (tp.py)
+        self._muon = _OwnerMuon([{"params": [stepped(p) for p in g["params"] if steps(p)]} for g in muon_groups], backend,
                                 **muon_hyper)
         self._adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) not in is_dedicated]}
                                          for g in adamw_groups], **adamw_hyper)
@@ -263,6 +265,7 @@ class Muon(torch.optim.Optimizer):
 
     def inner_optimizer_of(self, p: nn.Parameter) -> torch.optim.Optimizer:
         """The inner optimizer that steps ``p`` on this rank, whose ``state[p]`` holds its state."""
+        p = self._dmuon.stepped(p) if p in self._dmuon.name_of else p
         return next(o for o in self._inner if any(q is p for group in o.param_groups for q in group["params"]))
 
     def _push_hyperparameters(self) -> None:
@@ -314,6 +317,7 @@ class Muon(torch.optim.Optimizer):
                 RuntimeWarning,
             )
             return loss
+        tp.gather_gradients(self._dmuon)
         owned = self._owned
         for p in owned:
             p.grad = p._reduced_grad
@@ -323,18 +327,24 @@ class Muon(torch.optim.Optimizer):
         finally:
             for p in owned:
                 p.grad = None
+        tp.apply_updates(self._dmuon, self._lr_and_weight_decay)
         self._dmuon.publish()
         if not self.replicate_async:
             self._dmuon.wait_published()
         self._adamw.step()
         return loss
 
+    def _lr_and_weight_decay(self, p: nn.Parameter) -> tuple[float, float]:
+        group = next(g for g in self.param_groups[0::2] if any(q is p for q in g["params"]))
+        return group["lr"], group["weight_decay"]
+
     def _agree_before_step(self) -> bool:
         """One all-reduce (max) of [any gradient non-finite, FSDP2 gradients changed since the backward, events,
         -events, CRC, -CRC]: skip on a non-finite gradient (False), refuse on diverged event orders, warn on a
         clip that saw the FSDP2 gradients only. The same answers on every rank."""
         state, agreed = self._dmuon, self._agreed
-        grads = [p._reduced_grad for p in self._owned if p._reduced_grad is not None]
+        # The averaged dedicated gradients, on their owners (a TP-sharded matrix's shards, on its DP owners)
+        grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
         grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                   for group in self.param_groups[1::2] for p in group["params"]
                   if p.grad is not None and p not in state.name_of]
