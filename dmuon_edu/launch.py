@@ -68,6 +68,7 @@ _COLLECTIVE_MISMATCH = re.compile(r"collective mismatch|doesn't match expected s
 # A script that does not compile: Python prints where and the error, without a "Traceback" line above them.
 _COMPILE_ERROR = re.compile(r"^(?:SyntaxError|IndentationError|TabError): ")
 _FILE_LINE = re.compile(r'^\s*File "(.+)", line (\d+)')
+_ENDPOINT = re.compile(r"^[\w.\-\[\]:]+:\d{1,5}$")
 
 
 class RankFailedError(RuntimeError):
@@ -106,6 +107,9 @@ def torchrun(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     echo: bool = True,
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
 ) -> LaunchResult:
     """Run ``script`` on ``nproc`` local ranks with torchrun; return their output, or raise naming the failed rank.
 
@@ -123,6 +127,15 @@ def torchrun(
             defaults to the number of cores divided by ``nproc``.
         echo: print each rank's lines as they arrive, tagged ``[rank r]``; a traceback
             shows as its last frame and its exception.
+        nnodes: the number of machines (torchrun agents) of the job; this call starts
+            one agent, this machine's. With more than one, start the same call on each
+            machine (or several on one, for a test) with the same ``rdzv_endpoint``;
+            the agents take node ranks in the order they join, and ranks are numbered
+            node rank * ``nproc`` + local rank. Ranks in the output and in errors are
+            this agent's local ranks.
+        rdzv_endpoint: ``"host:port"`` of torchrun's c10d rendezvous, which every
+            agent can reach (the first agent on that host serves it); required with
+            ``nnodes`` > 1. None with one node: ``--standalone`` picks a free port.
 
     Returns:
         A :class:`LaunchResult` with every rank's output lines.
@@ -130,8 +143,8 @@ def torchrun(
     Raises:
         TypeError: ``script`` is not a path (a str or an os.PathLike).
         FileNotFoundError: there is no file at ``script``.
-        ValueError: ``nproc`` is not an int >= 1, or ``timeout`` is not a finite
-            number > 0.
+        ValueError: ``nproc`` or ``nnodes`` is not an int >= 1, ``timeout`` is not a finite
+            number > 0, or ``nnodes`` > 1 comes without a ``"host:port"`` ``rdzv_endpoint``.
         TypeError: ``args`` is one string rather than a list, or holds something other
             than strings, paths and numbers; ``env`` is not a dict of strings to
             strings; ``echo`` is not a bool.
@@ -162,8 +175,17 @@ def torchrun(
         raise TypeError(f"env must be a dict of strings to strings, e.g. {{'OMP_NUM_THREADS': '1'}}; got {env!r}")
     if not isinstance(echo, bool):
         raise TypeError(f"echo must be True or False, got {echo!r}")
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        raise ValueError(f"nnodes must be an int >= 1 (the number of machines), got {nnodes!r}")
+    if rdzv_endpoint is None and nnodes > 1:
+        raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='host:port', an address every machine can reach, "
+                         "the same in every machine's call")
+    if rdzv_endpoint is not None and not (isinstance(rdzv_endpoint, str) and _ENDPOINT.match(rdzv_endpoint)):
+        raise ValueError(f"rdzv_endpoint must be 'host:port', e.g. '10.0.0.1:29400', got {rdzv_endpoint!r}")
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    rendezvous = (["--standalone"] if rdzv_endpoint is None else
+                  [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"])
+    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
                "--tee=3", str(script), *map(str, args)]
     job = uuid.uuid4().hex
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

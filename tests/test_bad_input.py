@@ -51,6 +51,20 @@ def dedicated(mesh, shard=True, model=None):
     return model
 
 
+def ddp_dedicated(mesh, replicated=True, model=None):
+    model = Tiny() if model is None else model
+    dmuon.dedicate_params_ddp(model, mesh, is_dedicated)
+    if replicated:
+        dmuon.replicate(model, mesh)
+    return model
+
+
+def ddp_dedicated_then_sharded(mesh):
+    model = ddp_dedicated(mesh, replicated=False)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def nan_momentum_loaded_into_dmuon(mesh):
     model = dedicated(mesh)
     opt = dmuon.Muon(model)
@@ -368,6 +382,10 @@ CASES = [
     ("torchrun/nproc_zero", lambda: torchrun(__file__, nproc=0), ValueError, "nproc must be an int >= 1"),
     ("torchrun/timeout_zero", lambda: torchrun(__file__, timeout=0), ValueError, "a positive number of seconds"),
     ("torchrun/args_one_string", lambda: torchrun(__file__, args="--steps 3"), TypeError, "['--steps', '3']"),
+    ("torchrun/two_nodes_without_an_endpoint", lambda: torchrun(__file__, nnodes=2), ValueError,
+     "nnodes=2 needs rdzv_endpoint='host:port', an address every machine can reach"),
+    ("torchrun/endpoint_without_a_port", lambda: torchrun(__file__, nnodes=2, rdzv_endpoint="10.0.0.1"), ValueError,
+     "rdzv_endpoint must be 'host:port', e.g. '10.0.0.1:29400'"),
     ("torchrun/script_none", lambda: torchrun(None), TypeError, "script must be the path of a .py file (a str or a Path)"),
     ("session/infinite_timeout", lambda: distributed.session(timeout_s=float("inf")).__enter__(), ValueError,
      "timeout_s must be a positive number of seconds, finite, got inf"),
@@ -460,6 +478,24 @@ CASES = [
      "dmuon takes the model (an nn.Module), got a list of length 1; pass the model that dmuon.dedicate_params"),
     ("dmuon/held_bytes_of_a_string", lambda mesh: dmuon.held_bytes("model"), TypeError,
      "dmuon takes the model (an nn.Module), got the string 'model'"),
+    # dmuon's DDP backend (dedicate_params_ddp, replicate)
+    ("dmuon.replicate/before_dedicate_params_ddp", lambda mesh: dmuon.replicate(Tiny(), mesh), ValueError,
+     "call dmuon.dedicate_params_ddp(model, mesh, predicate) first"),
+    ("dmuon.replicate/after_dedicate_params", lambda mesh: dmuon.replicate(dedicated(mesh, shard=False), mesh),
+     ValueError, "(this model was prepared by dedicate_params, whose other parameters fully_shard shards)"),
+    ("dmuon.replicate/twice", lambda mesh: dmuon.replicate(ddp_dedicated(mesh), mesh), RuntimeError, "call it once"),
+    ("dmuon.dedicate_params_ddp/2d_mesh",
+     lambda mesh: dmuon.dedicate_params_ddp(Tiny(), init_device_mesh("cpu", (1, 1)), is_dedicated), ValueError,
+     "For HSDP use dedicate_params(model, mesh2d['shard'], predicate, replicate_mesh=mesh2d['replicate'])"),
+    ("dmuon.dedicate_params_ddp/after_fully_shard", lambda mesh: dmuon.dedicate_params_ddp(
+        dedicated(mesh), mesh, is_dedicated), RuntimeError, "they replace fully_shard, not join it"),
+    ("dmuon.dedicate_params_ddp/sharded_adamw_route", lambda mesh: dmuon.dedicate_params_ddp(
+        Tiny(), mesh, is_dedicated, param_policy={"defaults": {"route": "sharded_adamw"}}), ValueError,
+     "shards nothing: route it to 'adamw' (its owner steps it with AdamW), or leave it out of the predicate"),
+    ("dmuon.Muon/ddp_without_replicate", lambda mesh: dmuon.Muon(ddp_dedicated(mesh, replicated=False)), ValueError,
+     "is neither dedicated nor replicated, so nothing would average its gradient: call dmuon.replicate(model, mesh)"),
+    ("dmuon.Muon/ddp_with_fully_shard", lambda mesh: dmuon.Muon(ddp_dedicated_then_sharded(mesh)), ValueError,
+     "the DDP backend replaces fully_shard. Call dmuon.replicate(model, mesh) instead of fully_shard"),
     ("dmuon.Muon/adamw_betas_a_float", lambda mesh: dmuon.Muon(dedicated(mesh), adamw_betas=0.9), TypeError,
      "adamw_betas must be a pair of numbers, got 0.9; (0.9, 0.999) is the default"),
     ("dmuon.Muon/adamw_lr_a_string", lambda mesh: dmuon.Muon(dedicated(mesh), adamw_lr="1e-3"), TypeError,

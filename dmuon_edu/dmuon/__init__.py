@@ -44,6 +44,11 @@ after the step the owner publishes the result to the other replicas' holders (is
 the end of step(), waited at the next forward with ``dmuon.Muon(...,
 replicate_async=True)``, the default).
 
+The DDP backend (``dedicate_params_ddp(model, mesh, predicate)``, then ``replicate(model,
+mesh)`` instead of fully_shard; ddp.py): every rank keeps every matrix whole, the owner
+receives its averaged gradient and runs Muon on it, and after the step broadcasts the result
+to every rank; replicate all-reduces the other gradients, as DDP does.
+
 Same order on every rank. A collective pairs the n-th call of every rank, so every
 rank must run the same dedicated layers in the same order. Each rank describes every
 collective of dmuon's and every forward of a layer with dedicated matrices, and the
@@ -66,7 +71,7 @@ Modules, each importing only those before it: plan.py (owners), names.py (names
 without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
 placeholders), order.py (the same collectives on every rank), boundary.py (hook
 boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
-residency and gradient hooks, no_sync, ownership), clip.py (clip_grad_norm_),
+residency and gradient hooks, no_sync, ownership), ddp.py (dedicate_params_ddp, replicate), clip.py (clip_grad_norm_),
 ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
 diagnostics.py (summaries of the plan and the groups).
 """
@@ -74,6 +79,7 @@ diagnostics.py (summaries of the plan and the groups).
 from dmuon_edu.distributed import count_collectives as count_comm
 
 from .clip import MuonGradClipStats, clip_grad_norm_
+from .ddp import dedicate_params_ddp, replicate
 from .dedicate import dedicate_params, held_bytes, in_flight_bytes, no_sync, ownership
 from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
 from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
@@ -90,6 +96,8 @@ from .state import (
 
 __all__ = [
     "dedicate_params",
+    "dedicate_params_ddp",
+    "replicate",
     "plan_owners",
     "imbalance",
     "no_sync",

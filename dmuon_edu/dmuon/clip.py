@@ -161,8 +161,10 @@ def _gradients(state: DMuonState, model: nn.Module | None,
         if p not in state.name_of and p.grad is not None:
             (shards if isinstance(p.grad, DTensor) else replicated).append(p.grad)
     local = dedicated + [g.to_local() for g in shards] + replicated
-    # A shard is the same in every replica, a plain gradient on every rank.
-    counted = dedicated + ([g.to_local() for g in shards] if state.replica == 0 else []) + (
+    # A shard is the same in every replica (and, unless it is tensor-parallel too, in every TP column: tp.py), a
+    # plain gradient on every rank. A TP-sharded dedicated matrix's shards are disjoint: each counts.
+    counted = dedicated + ([g.to_local() for g in shards if state.tp_index == 0
+                            or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if state.replica == 0 else []) + (
         replicated if dist.get_rank() == 0 else [])
     return local, counted
 

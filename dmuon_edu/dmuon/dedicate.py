@@ -53,7 +53,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 from dmuon_edu.arguments import require_callable, require_module
 
-from . import fsdp_exclusion, placeholder
+from . import fsdp_exclusion, placeholder, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
 from .order import CollectiveOrder
@@ -118,6 +118,13 @@ class Unit:
 
 @dataclass
 class DMuonState:
+    # The entry point that builds this kind of state, the calls that go with it (for messages), and whether
+    # every rank holds every dedicated matrix between uses (the DDP backend, ddp.py) or only its owner does.
+    entry: ClassVar[str] = "dedicate_params"
+    order_of_calls: ClassVar[str] = ("call dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard "
+                                     "the layers and the model")
+    holds_every_matrix: ClassVar[bool] = False
+
     model: nn.Module = field(repr=False)
     mesh: DeviceMesh
     reshard_after_forward: bool
@@ -141,6 +148,8 @@ class DMuonState:
     # Forwards of the first unit since the last optimizer step: the micro-batch of the window, which the
     # order check's forward events name, so that ranks with different numbers of micro-batches are told so.
     microbatch: int = 0
+    tp_index: int = 0  # with tensor parallelism (tp.py): this rank's TP index, and the TP mesh dim's name
+    tp_name: str | None = None
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
@@ -165,8 +174,22 @@ class DMuonState:
         return self.owner_of(p) == self.rank
 
     def steps(self, p: nn.Parameter) -> bool:
-        """Whether this rank is the matrix's one owner: its holder in the replica that steps it."""
-        return self.owns(p) and p._dmuon_replica == self.replica
+        """Whether this rank is the matrix's one owner: its holder in the replica that steps it (for a TP-sharded
+        matrix, the holder at its TP owner's index: tp.py)."""
+        tp = getattr(p, "_dmuon_tp", None)
+        return self.owns(p) and p._dmuon_replica == self.replica and (tp is None or tp.index == tp.owner)
+
+    @staticmethod
+    def stepped(p: nn.Parameter) -> torch.Tensor:
+        """The tensor the owner's optimizer steps for ``p``: ``p``, or a TP-sharded matrix's full-shape proxy."""
+        tp = getattr(p, "_dmuon_tp", None)
+        return p if tp is None else tp.proxy
+
+    @staticmethod
+    def full_shape(p: nn.Parameter) -> torch.Size:
+        """The logical matrix's shape (a TP-sharded matrix's, not its shard's)."""
+        tp = getattr(p, "_dmuon_tp", None)
+        return p._dmuon_shape if tp is None else tp.full_shape
 
     # -- residency: Unit.resident is the one record (module docstring) ---------------
     def make_resident(self, unit: Unit) -> None:
@@ -278,7 +301,7 @@ class DMuonState:
     # -- gradients -----------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
         """Called once p.grad holds this backward's whole gradient."""
-        g, p.grad = p.grad, None
+        g, p.grad = _local(p.grad), None
         g = g.to(p._dmuon_dtype)  # accumulate and keep in the master's precision
         self.queue_end_of_backward()
         if self.in_no_sync:
@@ -409,6 +432,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(p, DTensor):  # a TP shard: DTensor reads its local tensor at each op
+        p._local_tensor = values
+        return
     with torch._C.DisableTorchFunctionSubclass():
         p.data = values
 
@@ -522,26 +548,47 @@ def dedicate_params(
             )
     world = dist.get_world_size() if dist.is_initialized() else None
     replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    _require_predicate(predicate)
+    # (a model fully_shard already sharded is refused by dedicate() below, naming the call order)
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    tp_mesh = None if sharded else tp.find_tp_mesh(model, predicate, mesh, replicate_mesh)
+    if tp_mesh is not None and mesh.size() * tp_mesh.size() != world:
+        raise ValueError(
+            f"the data-parallel mesh ({mesh.size()} ranks) times the tensor-parallel mesh ({tp_mesh.size()}) is not "
+            f"the process group's {world} ranks: pass mesh['dp'] of the (dp, tp) mesh the TP plan used"
+        )
     if replicate_mesh is not None and mesh.size() * replicas != world:
         raise ValueError(
             f"the shard mesh ({mesh.size()} ranks) times the replicate mesh ({replicas}) is not the process "
             f"group's {world} ranks: pass the two axes of one 2-D mesh over every rank"
         )
-    if replicate_mesh is None and mesh.size() != world:
+    if replicate_mesh is None and tp_mesh is None and not sharded and mesh.size() != world:
         raise ValueError(
             f"the mesh spans {mesh.size()} rank(s) but the process group has {world}: dmuon needs a mesh over "
             f"every rank of the process group; build it with init_device_mesh('{mesh.device_type}', "
             "(dist.get_world_size(),)) after the process group exists"
         )
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise RuntimeError(
-            "the model is already sharded by fully_shard: call dmuon.dedicate_params(model, mesh, predicate) "
-            "first, then fully_shard the layers and the model"
-        )
-    if getattr(model, "_dmuon", None) is not None:
-        raise RuntimeError("dedicate_params was already called on this model; call it once")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True (Z3) or False (Z2), got {reshard_after_forward!r}")
+    return dedicate(DMuonState, model, mesh, predicate, compute_dtype, reshard_after_forward, replicate_mesh,
+                    hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver, param_policy,
+                    param_policy_fn, tp_mesh=tp_mesh)
+
+
+def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, predicate, compute_dtype,
+             reshard_after_forward: bool, replicate_mesh: DeviceMesh | None, hook_boundary_predicate,
+             hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn,
+             tp_mesh: DeviceMesh | None = None) -> dict[str, int]:
+    """What dedicate_params and dedicate_params_ddp (ddp.py) share once their meshes are checked: the
+    selection and its checks, the plan, the per-parameter records and hooks, the units. ``state_type`` says
+    who holds a matrix between uses (DMuonState: its owner only); ``tp_mesh`` is the TP axis of TP-sharded
+    matrices (tp.py), None without."""
+    entry = state_type.entry
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RuntimeError(f"the model is already sharded by fully_shard: {state_type.order_of_calls}")
+    if getattr(model, "_dmuon", None) is not None:
+        raise RuntimeError(f"{entry} (or another dmuon entry point) was already called on this model; call it once")
     _require_predicate(predicate)
     check_hook_boundary_arguments(hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
 
@@ -552,6 +599,14 @@ def dedicate_params(
             "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
         )
     policies = resolve_param_policies(selected, compute_dtype, param_policy, param_policy_fn)
+    if state_type.holds_every_matrix:
+        sharded = next((name for name, policy in policies.items() if policy.route == "sharded_adamw"), None)
+        if sharded is not None:
+            raise ValueError(
+                f"param_policy routes {sharded} to 'sharded_adamw', AdamW on fully_shard's shards, but {entry} "
+                "shards nothing: route it to 'adamw' (its owner steps it with AdamW), or leave it out of the "
+                "predicate (dmuon.replicate then all-reduces its gradient and every rank steps it with AdamW)"
+            )
     # "sharded_adamw" is AdamW on shards: what fully_shard does with a parameter dmuon leaves alone.
     params = {fqn(name): p for name, p in selected.items() if policies[name].route != "sharded_adamw"}
     if not params:
@@ -559,7 +614,20 @@ def dedicate_params(
             "param_policy routes every selected parameter to 'sharded_adamw', which leaves it to fully_shard: "
             "route the matrices for Muon to 'muon' (the default)"
         )
+    routes = {fqn(name): policy.optimizer for name, policy in policies.items()}
     for name, p in params.items():
+        if isinstance(p, DTensor) and tp_mesh is None:
+            raise ValueError(
+                f"{name} is a DTensor (tensor parallel), which {entry} does not take: tensor parallelism goes with "
+                "dmuon.dedicate_params(model, mesh['dp'], ...) on a (dp, tp) mesh with mesh_dim_names, then "
+                "fully_shard(..., mesh=mesh['dp'])"
+            )
+        if tp.shard_dim(p, tp_mesh) is not None and routes[name] != "muon":
+            raise ValueError(
+                f"param_policy routes the tensor-parallel matrix {name} to AdamW on its owner, which dmuon_edu does "
+                "not do for TP shards: route it to 'sharded_adamw' (fully_shard then shards it with its TP layout) "
+                "or to 'muon'"
+            )
         if p.ndim != 2:
             raise ValueError(
                 f"the predicate selected {name} of shape {tuple(p.shape)}: only 2-D matrices can be dedicated "
@@ -569,40 +637,63 @@ def dedicate_params(
         if p.device.type != mesh.device_type:
             raise ValueError(
                 f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
-                f"device first (e.g. model.to('{mesh.device_type}')), then call dedicate_params"
+                f"device first (e.g. model.to('{mesh.device_type}')), then call {entry}"
             )
         # A dedicated matrix travels as one block of memory of its own, and its non-owners free that memory.
-        if not p.is_contiguous():
+        local = _local(p)
+        if not local.is_contiguous():
             raise ValueError(f"{name} is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
                              "travels as one block of memory of its own: replace it with "
-                             "nn.Parameter(weight.detach().contiguous()) before dedicate_params")
-        if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+                             f"nn.Parameter(weight.detach().contiguous()) before {entry}")
+        if local.storage_offset() != 0 or local.untyped_storage().nbytes() != local.numel() * local.element_size():
             raise ValueError(f"{name} shares its storage with another tensor (it is a view into a larger one); "
                              "dedicated parameters need their own: replace it with "
-                             "nn.Parameter(weight.detach().clone()) before dedicate_params")
+                             f"nn.Parameter(weight.detach().clone()) before {entry}")
 
     dedicated = {id(p) for p in params.values()}
     aliases = [(alias, p) for alias, p in model.named_parameters(remove_duplicate=False) if id(p) in dedicated]
     boundaries = hook_boundaries(model, aliases, hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
     policy_of = {fqn(name): policy for name, policy in policies.items()}
-    key, rank_at = _agree_on_every_rank(params, policy_of, mesh, replicate_mesh)
+    # With TP the grid is (TP index, DP index): each TP column is a data-parallel world of its own.
+    key, rank_at = _agree_on_every_rank(entry, params, policy_of, mesh, replicate_mesh or tp_mesh)
     shards = mesh.size()
     plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
     # Owner g of the plan: replica g // shards, shard index g % shards.
     owners = {name: rank_at[divmod(g, shards)] for name, g in plan.items()}
+    tp_sharded = {name: tp.shard_dim(p, tp_mesh) for name, p in params.items() if tp.shard_dim(p, tp_mesh) is not None}
+    tp_owner: dict[str, int] = {}
+    if tp_mesh is not None:
+        column = tp_mesh.get_local_rank()
+        for d in range(shards):  # per DP owner, its TP group shares the Newton-Schulz work on full matrices
+            tp_owner.update(plan_owners({n: tuple(params[n].shape) for n in tp_sharded if plan[n] == d},
+                                        tp_mesh.size()))
+        owners = {name: rank_at[(tp_owner.get(name, column), g)] for name, g in plan.items()}
     # Every replica runs the same events on its shard axis: one key for all ranks. The replicate axis has a key
     # per shard index, shared by that column's ranks.
     order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()))
     replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank(),
                                        dist.get_process_group_ranks(replicate_mesh.get_group()))
                        if replicate_mesh is not None else None)
-    state = DMuonState(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
+    state = state_type(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
+    if tp_mesh is not None:  # across the TP group of each DP index: its gathers and scatters
+        state.everyone = dist.group.WORLD
+        tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
+                                   dist.get_process_group_ranks(tp_mesh.get_group()))
+        state.tp_index = tp_mesh.get_local_rank()
+        state.tp_name = tp_mesh.mesh_dim_names[0]
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
         p._dmuon_replica = plan[name] // shards
-        p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = p.shape, p.dtype, p.data
+        local = _local(p) if isinstance(p, DTensor) else p.data  # a DTensor's local tensor: its shard
+        p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = local.shape, p.dtype, local
         p._dmuon_policy = policy_of[name]
+        if name in tp_sharded:
+            p._dmuon_tp = tp.TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
+                                     tp_owner[name], p.shape, tp_order)
+            if state.owns(p) and p._dmuon_tp.index == p._dmuon_tp.owner:
+                p._dmuon_tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=local.device)
+                p._dmuon_tp.proxy._reduced_grad = None
         p._reduced_grad = None
         p._accumulated_grad = None
         if not state.owns(p):
@@ -627,8 +718,8 @@ def _require_predicate(predicate) -> None:
         pass
 
 
-def _agree_on_every_rank(params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy], mesh: DeviceMesh,
-                         replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
+def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy],
+                         mesh: DeviceMesh, replicate_mesh: DeviceMesh | None) -> tuple[str, dict[tuple[int, int], int]]:
     """Every rank must dedicate the same matrices, with the same shapes, dtypes and policies, or the broadcasts
     pair wrongly; with a replicate mesh, the two axes must cover the process group as a grid.
 
@@ -645,14 +736,14 @@ def _agree_on_every_rank(params: dict[str, nn.Parameter], policies: dict[str, DM
         dist.all_gather_object(everyone, here, group=group)
     except RuntimeError as error:
         raise RuntimeError(
-            "dedicate_params: not every rank called dedicate_params within the collective timeout. Every rank "
+            f"{entry}: not every rank called {entry} within the collective timeout. Every rank "
             "must call it, with the same model and predicate"
         ) from error
     for _, theirs, _, rank in everyone:
         if theirs != mine:
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
             raise RuntimeError(
-                f"dedicate_params: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
+                f"{entry}: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype, param_dtype, grad_dtype, "
                 "optimizer). The predicate and the policy must select the same on every rank: make them depend "
                 "on names and shapes only"
@@ -793,7 +884,7 @@ def held_bytes(model: nn.Module) -> int:
     storages: dict[int, int] = {}
     with torch._C.DisableTorchFunctionSubclass():
         for p in state.params.values():
-            for t in (p, p._dmuon_master) if state.owns(p) else (p,):
+            for t in (_local(p), p._dmuon_master) if state.owns(p) else (_local(p),):
                 storage = t.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

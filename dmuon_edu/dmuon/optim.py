@@ -55,12 +55,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from dmuon_edu import muon as single_device
 
+from . import tp
 from .clip import MuonGradClipStats, clip_grad_norm_
+from .ddp import replicated_params
 from .dedicate import state_of
 from .ns_backend import NewtonSchulz, as_backend
 from .order import MODES
@@ -120,7 +123,8 @@ class Muon(torch.optim.Optimizer):
         replicate_async: with a replicate mesh (HSDP), start publishing each owner's
             updated matrices to the other replicas at the end of ``step()`` and wait for
             them at the next forward (True), or within ``step()`` (False). The same
-            results either way; nothing to publish on a 1-D mesh.
+            results either way; nothing to publish on a 1-D mesh, except with the DDP
+            backend (ddp.py), whose owners publish their matrices to every rank so.
         forward_prefetch_depth: how many layers ahead a layer's forward issues their
             broadcasts (the backward of Z3 likewise, in reverse order), so that they
             travel while this layer computes; 0 issues each at its own layer's forward.
@@ -182,12 +186,24 @@ class Muon(torch.optim.Optimizer):
         for unit in self._dmuon.units:  # a compute_dtype that disagrees with fully_shard's policy: refused now
             self._dmuon.precision(unit)
         is_dedicated = {id(p) for p in self._dmuon.params.values()}
-        unsharded = [n for n, p in model.named_parameters()
-                     if id(p) not in is_dedicated and p.requires_grad and not isinstance(p, DTensor)]
-        if unsharded and self._dmuon.world_size > 1:
+        averaged = {id(p) for p in replicated_params(model)}  # the DDP backend's replicate
+        unsharded = [n for n, p in model.named_parameters() if id(p) not in is_dedicated | averaged
+                     and p.requires_grad and not isinstance(p, DTensor)]
+        # One rank needs no average, but the DDP backend's call order is refused anywhere (as the public one does).
+        if unsharded and (self._dmuon.world_size > 1 or self._dmuon.holds_every_matrix):
+            fix = ("call dmuon.replicate(model, mesh) before building dmuon.Muon"
+                   if self._dmuon.holds_every_matrix else
+                   "fully_shard the layers and the model before building dmuon.Muon")
             raise ValueError(
-                f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor sharded by FSDP2, so "
-                "nothing would average its gradient: fully_shard the layers and the model before building dmuon.Muon"
+                f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor "
+                f"{'replicated' if self._dmuon.holds_every_matrix else 'sharded by FSDP2'}, so nothing would average "
+                f"its gradient: {fix}"
+            )
+        if self._dmuon.holds_every_matrix and any(isinstance(m, FSDPModule) for m in model.modules()):
+            raise ValueError(
+                "the model was prepared by dmuon.dedicate_params_ddp and then sharded by fully_shard: the DDP backend "
+                "replaces fully_shard. Call dmuon.replicate(model, mesh) instead of fully_shard, or use "
+                "dmuon.dedicate_params with fully_shard"
             )
         muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                           adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
@@ -205,7 +221,8 @@ class Muon(torch.optim.Optimizer):
                 order.mode = order_check
         steps = self._dmuon.steps
         muon_groups, adamw_groups = groups[0::2], groups[1::2]
-        self._muon = _OwnerMuon([{"params": [p for p in g["params"] if steps(p)]} for g in muon_groups], backend,
+        stepped = self._dmuon.stepped  # a TP-sharded matrix's owner steps a full-shape proxy (tp.py)
+        self._muon = _OwnerMuon([{"params": [stepped(p) for p in g["params"] if steps(p)]} for g in muon_groups], backend,
                                 **muon_hyper)
         self._adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) not in is_dedicated]}
                                          for g in adamw_groups], **adamw_hyper)
@@ -248,6 +265,7 @@ class Muon(torch.optim.Optimizer):
 
     def inner_optimizer_of(self, p: nn.Parameter) -> torch.optim.Optimizer:
         """The inner optimizer that steps ``p`` on this rank, whose ``state[p]`` holds its state."""
+        p = self._dmuon.stepped(p) if p in self._dmuon.name_of else p
         return next(o for o in self._inner if any(q is p for group in o.param_groups for q in group["params"]))
 
     def _push_hyperparameters(self) -> None:
@@ -299,6 +317,7 @@ class Muon(torch.optim.Optimizer):
                 RuntimeWarning,
             )
             return loss
+        tp.gather_gradients(self._dmuon)
         owned = self._owned
         for p in owned:
             p.grad = p._reduced_grad
@@ -308,18 +327,24 @@ class Muon(torch.optim.Optimizer):
         finally:
             for p in owned:
                 p.grad = None
+        tp.apply_updates(self._dmuon, self._lr_and_weight_decay)
         self._dmuon.publish()
         if not self.replicate_async:
             self._dmuon.wait_published()
         self._adamw.step()
         return loss
 
+    def _lr_and_weight_decay(self, p: nn.Parameter) -> tuple[float, float]:
+        group = next(g for g in self.param_groups[0::2] if any(q is p for q in g["params"]))
+        return group["lr"], group["weight_decay"]
+
     def _agree_before_step(self) -> bool:
         """One all-reduce (max) of [any gradient non-finite, FSDP2 gradients changed since the backward, events,
         -events, CRC, -CRC]: skip on a non-finite gradient (False), refuse on diverged event orders, warn on a
         clip that saw the FSDP2 gradients only. The same answers on every rank."""
         state, agreed = self._dmuon, self._agreed
-        grads = [p._reduced_grad for p in self._owned if p._reduced_grad is not None]
+        # The averaged dedicated gradients, on their owners (a TP-sharded matrix's shards, on its DP owners)
+        grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
         grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                   for group in self.param_groups[1::2] for p in group["params"]
                   if p.grad is not None and p not in state.name_of]

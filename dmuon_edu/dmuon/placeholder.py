@@ -17,6 +17,11 @@ an nn.Parameter whose ``__torch_function__``:
 dmuon swaps the data with :func:`hold` and :func:`release` (views of the broadcast
 buffer, and the placeholder). Replacing ``.data`` keeps the TensorImpl, so autograd's
 saved references to the parameter stay valid and see the refilled values in backward.
+
+A tensor-parallel shard (a DTensor, tp.py) keeps its class: DTensor's layout is not a
+plain tensor's, so ``__class__`` cannot change. Its local tensor is what comes and goes
+(an empty one between uses), and reads between uses meet DTensor's shape checks, not the
+named refusal above.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import types
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["DedicatedParameter", "make_placeholder", "hold", "release", "is_resident"]
 
@@ -103,6 +109,9 @@ class DedicatedParameter(nn.Parameter):
 
 def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
     """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident."""
+    if isinstance(p, DTensor):
+        release(p)
+        return
     shape = p.shape
     p.__class__ = DedicatedParameter
     p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, shape
@@ -111,18 +120,26 @@ def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
 
 def is_resident(p: torch.Tensor) -> bool:
     """Whether ``p`` holds the matrix's values now (always, on its owner)."""
+    if isinstance(p, DTensor):
+        return getattr(p, "_dmuon_resident", True)
     return not isinstance(p, DedicatedParameter) or p._dmuon_resident
 
 
 def hold(p: DedicatedParameter, values: torch.Tensor) -> None:
     """Make ``p`` resident with ``values`` (a tensor of the matrix's shape; no copy is made)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        p.data = values
+    if isinstance(p, DTensor):
+        p._local_tensor = values
+    else:
+        with torch._C.DisableTorchFunctionSubclass():
+            p.data = values
     p._dmuon_resident = True
 
 
 def release(p: DedicatedParameter) -> None:
     """Drop ``p``'s values: its data becomes a zero-element tensor of its dtype and device."""
-    with torch._C.DisableTorchFunctionSubclass():
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if isinstance(p, DTensor):
+        p._local_tensor = torch.empty(0, dtype=p.dtype, device=p.device)
+    else:
+        with torch._C.DisableTorchFunctionSubclass():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p._dmuon_resident = False

@@ -41,6 +41,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from dmuon_edu.arguments import describe
 
+from . import tp
 from .dedicate import DMuonState, state_of
 from .names import fqn
 from .optim import Muon
@@ -93,6 +94,8 @@ def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None, shape=
     """A full copy of a tensor of a dedicated parameter's on every rank, on the mesh's device: ``value`` is the
     owner's (ignored elsewhere), of ``shape`` and ``dtype`` (default: the parameter's).
     With a replicate mesh the owner first sends it to the holders of the other replicas."""
+    if getattr(p, "_dmuon_tp", None) is not None:
+        return tp.full_tensor(state, p, value, shape, dtype)
     owner = state.owner_of(p)
     shape = p._dmuon_shape if shape is None else shape
     buffer = (value.detach().to(state.mesh_device, copy=True) if state.steps(p)
@@ -209,7 +212,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], options: 
         value = incoming[name].detach()  # a state dict of parameters may track gradients
         if _is_dedicated(state, target):
             if state.owns(target):
-                _copy_into(target._dmuon_master, value)
+                _copy_into(target._dmuon_master, tp.local_part(target, value))
         else:
             _copy_into(target, value)
     state.release_all()  # non-owner copies may be stale now
@@ -250,7 +253,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
             if p not in state.name_of:
                 result[names[p]] = {k: _out(v, options) for k, v in optimizer._adamw.state[p].items()}
                 continue
-            mine = optimizer.inner_optimizer_of(p).state[p] if state.steps(p) else {}
+            mine = optimizer.inner_optimizer_of(p).state[state.stepped(p)] if state.steps(p) else {}
             templates = _DEDICATED_STATE[group["subgroup_type"]](p)
             result[state.name_of[p]] = {key: _out(_full(state, p, mine.get(key), shape, dtype), options)
                                         for key, (shape, dtype) in templates.items()}
@@ -263,7 +266,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
 
 # A dedicated matrix's optimizer state, by its group's optimizer: {key: (shape, dtype)}.
 _DEDICATED_STATE = {
-    "muon": lambda p: {"momentum_buffer": (p._dmuon_shape, p._dmuon_dtype)},
+    "muon": lambda p: {"momentum_buffer": (DMuonState.full_shape(p), p._dmuon_dtype)},
     "adamw": lambda p: {"step": ((), _get_scalar_dtype()), "exp_avg": (p._dmuon_shape, p._dmuon_dtype),
                         "exp_avg_sq": (p._dmuon_shape, p._dmuon_dtype)},
 }
@@ -312,7 +315,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
             )
         for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):  # a dedicated matrix's state is the whole matrix's
             if key in saved.get(name, {}):
-                _require_tensor_like(saved[name][key], p._dmuon_shape, f"the {key.replace('_', ' ')} of {name}")
+                _require_tensor_like(saved[name][key], state.full_shape(p), f"the {key.replace('_', ' ')} of {name}")
     loads = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -320,7 +323,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
             if name not in saved or (p in state.name_of and not state.steps(p)):
                 continue
             inner = optimizer._adamw if p not in state.name_of else optimizer.inner_optimizer_of(p)
-            for key, target in inner.state[p].items():
+            for key, target in inner.state[state.stepped(p) if p in state.name_of else p].items():
                 _require_tensor_like(saved[name].get(key), target.shape, f"the {key.replace('_', ' ')} of {name}")
                 loads.append((target, saved[name][key]))
     for target, value in loads:

@@ -1084,6 +1084,108 @@ def check_order_modes(mesh):
     report("order_modes", **per_rank_outcomes(outcome), round_trips=trips)
 
 
+# ------------------------------------------------------------------ the DDP backend (dedicate_params_ddp)
+DDP_ROUTED = "layers.0.k_proj.weight"  # routed to AdamW by param_policy: its owner steps it with AdamW
+
+
+def _initial_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def build_ddp(mesh, seed=0, **dedicate_kwargs):
+    torch.manual_seed(seed)
+    model = Net().to(mesh.device_type)
+    dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
+    dmuon.replicate(model, mesh)
+    return model, muon_of(model)
+
+
+def replicated_muon_step(ddp, optimizers, mine, total, use_no_sync):
+    """One optimizer step of torch DDP with Muon replicated on every rank (the peer dmuon's DDP backend must
+    match): the same micro-batches, loss scaling and clipping as train_window."""
+    world = dist.get_world_size()
+    for j, (x, y) in enumerate(mine):
+        with ddp.no_sync() if use_no_sync and j < K - 1 else contextlib.nullcontext():
+            (F.mse_loss(ddp(x), y, reduction="sum") * world / (total * OUT)).backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+    for o in optimizers:
+        o.step()
+        o.zero_grad()
+
+
+def check_ddp(mesh):
+    """dedicate_params_ddp + replicate against one process (full batch) and against torch DDP with replicated
+    Muon, with and without no_sync; the bytes of one optimizer step; a resume; param_policy with a hook boundary
+    predicate; the matrices every rank holds."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for use_no_sync in (True, False):
+        label = "no_sync" if use_no_sync else "sync_every_micro_batch"
+        model, opt = build_ddp(mesh)
+        ref, peer = _initial_model(), DistributedDataParallel(_initial_model().to(mesh.device_type))
+        ref_optimizers, peer_optimizers = reference_optimizers(ref, predicate), reference_optimizers(peer.module,
+                                                                                                     predicate)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (opt, *ref_optimizers, *peer_optimizers)]
+        max_diff = max_peer_diff = 0.0
+        for step in range(STEPS):
+            mine, _, total = window(step, rank, world)
+            counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
+            with counter:
+                train_window(model, opt, schedulers[0], mine, total, use_no_sync)
+            if step == 1:
+                comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
+            peer_counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
+            with peer_counter:
+                replicated_muon_step(peer, peer_optimizers, mine, total, use_no_sync)
+            if step == 1:
+                peer_comm = dict(peer_counter.bytes)
+            reference_step(ref, ref_optimizers, step)
+            for s in schedulers[1:]:
+                s.step()
+            ours = full_params(model)
+            max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+            max_peer_diff = max(max_peer_diff, max((ours[n] - p.detach().cpu()).abs().max().item()
+                                                   for n, p in peer.module.named_parameters()))
+        moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
+        matrices = [p for p in model._dmuon.params.values()]
+        report(f"ddp_{label}", max_abs_diff=max_diff, max_abs_diff_to_ddp_replicated_muon=max_peer_diff,
+               largest_change=moved, k=K, dedicated_bytes=dedicated_bytes(ref),
+               replicated_bytes=sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
+                                    if not predicate(n, p)),
+               per_rank=per_rank(comm), peer_per_rank=per_rank(peer_comm),
+               # every rank keeps every matrix whole, and exactly one rank steps each
+               held_everywhere=all(per_rank(dmuon.held_bytes(model) == dedicated_bytes(ref))),
+               owners=sorted(set(dmuon.ownership(model).values())),
+               steppers=[sum(x) for x in zip(*per_rank([opt._dmuon.steps(p) for p in matrices]))])
+
+    # A resume from full state dicts continues bit-identically.
+    model, opt = build_ddp(mesh)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(2):
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True)
+    weights, state = dmuon.get_model_state_dict(model, rank0_only=False), dmuon.get_optimizer_state_dict(
+        model, opt, rank0_only=False)
+    fresh, fresh_opt = build_ddp(mesh, seed=123)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+    fresh_sched.load_state_dict(sched.state_dict())
+    dmuon.set_model_state_dict(fresh, weights)
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, state)
+    resumed = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
+
+    # param_policy (one matrix routed to AdamW) and a hook boundary predicate, against one process.
+    policy = {"overrides": [{"name": DDP_ROUTED.removesuffix(".weight"), "set": {"route": "adamw"}}]}
+    model, opt = build_ddp(mesh, param_policy=policy, hook_boundary_predicate=lambda m: isinstance(m, Block))
+    torch.manual_seed(0)
+    ref = Net()
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(
+        ref, lambda n, p: predicate(n, p) and n != DDP_ROUTED))
+    report("ddp_resume_and_policy", max_abs_diff_after_resume=resumed, policy_max_abs_diff=diff,
+           policy_largest_change=moved, units=[u.path for u in model._dmuon.units])
+
+
 def main():
     directory, atexit_marks = sys.argv[1], sys.argv[2]
     with distributed.session() as ranks:
@@ -1125,6 +1227,7 @@ def main():
             check_wrapped_checkpoints(mesh)
             check_partial_clip(mesh)
             check_order_modes(mesh)
+            check_ddp(mesh)
         if ranks.rank == 0:
             check_channel.done()
 

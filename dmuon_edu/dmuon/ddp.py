@@ -1,0 +1,306 @@
+"""The DDP backend: dedicate_params_ddp for the Muon matrices, replicate for the rest.
+
+    dmuon.dedicate_params_ddp(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    dmuon.replicate(model, mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+
+The public dmuon project's semantics: every rank keeps every parameter whole, as under
+DDP, so nothing is broadcast before a forward; a dedicated matrix's owner alone receives
+its averaged gradient, runs Newton-Schulz (or AdamW, by its policy) on it and, after the
+step, broadcasts the result to every rank. ``replicate`` averages the gradients of every
+other trainable parameter over all ranks (one all-reduce per bucket), and every rank
+steps those with AdamW, as DDP does.
+
+Per optimizer step (P_M = bytes of the trainable dedicated matrices, P_R = bytes of the
+replicated parameters; k micro-batches, the first k-1 inside ``dmuon.no_sync``), as
+count_comm counts (the whole tensor on every rank taking part):
+
+- reduce (AVG) of the dedicated gradients to their owners, one per (layer, owner,
+  dtype) bucket, issued in backward as soon as a bucket is complete: P_M (k * P_M
+  without no_sync);
+- all-reduce (AVG) of the replicated gradients, in buckets of about 4 MiB, issued in
+  backward as soon as a bucket is complete: P_R (k * P_R without no_sync);
+- broadcast of the updated matrices from their owners, one per (owner, dtype), issued
+  at the end of ``step()`` and waited at the next forward (``dmuon.Muon(...,
+  replicate_async=True)``, the default) or within ``step()``: P_M;
+- the step's all-reduce of a few numbers (optim.py).
+
+DDP with replicated Muon moves 2(W-1)/W * (P_M + P_R) per rank on a ring all-reduce; this
+backend moves (W-1)/W * P_M twice for the matrices (reduce, then broadcast) and runs each
+matrix's Newton-Schulz once instead of on every rank. The memory is DDP's: every rank
+holds every parameter; only the owner holds a matrix's momentum.
+
+Dedicated gradients are accumulated and reduced by dedicate.py's hooks, unchanged: this
+module only says that every rank holds every matrix (so no placeholders and no
+broadcast before a forward) and publishes the step's results. Mixed precision: a
+policy's ``param_dtype`` (or ``compute_dtype``) makes each rank compute with a copy of
+the matrix in that dtype, made at the first forward after each step, while the float32
+master stays with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dmuon_edu.arguments import require_module
+
+from .boundary import HookBoundaryPredicate, HookBoundaryResolver
+from .dedicate import DMuonState, InFlight, Unit, _outside_dynamo, _set_data, dedicate, no_sync, state_of
+from .policy import PolicyFn
+
+__all__ = ["dedicate_params_ddp", "replicate", "DDPState", "Replicated"]
+
+# DDP's own default bucket size is 25 MiB; smaller buckets start the first all-reduce earlier in a small
+# model's backward, and the per-call cost is small next to a bucket's transfer.
+BUCKET_BYTES = 4 * 2**20
+
+
+@dataclass
+class Replicated:
+    """The parameters ``replicate`` averages: their buckets, in the order their gradients come (reverse model
+    order), and this backward's all-reduces."""
+
+    params: list[nn.Parameter]
+    buckets: list[list[nn.Parameter]]
+    bucket_of: dict[nn.Parameter, int]
+    ready: list[set[nn.Parameter]]  # per bucket: the parameters whose gradient this backward has completed
+    reducing: list[InFlight] = field(default_factory=list)
+    end_of_backward_queued: bool = False
+
+
+@dataclass
+class DDPState(DMuonState):
+    """DMuonState where every rank holds every dedicated matrix: its owner steps it and publishes the result."""
+
+    entry: ClassVar[str] = "dedicate_params_ddp"
+    order_of_calls: ClassVar[str] = ("dmuon.dedicate_params_ddp(model, mesh, predicate) and dmuon.replicate(model, "
+                                     "mesh) take the plain model; they replace fully_shard, not join it")
+    holds_every_matrix: ClassVar[bool] = True
+
+    replicated: Replicated | None = None  # set by replicate()
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return True  # every rank keeps the whole matrix
+
+    def steps(self, p: nn.Parameter) -> bool:
+        return self.owner_of(p) == self.rank
+
+    def issue_broadcasts(self, unit: Unit) -> None:
+        """Before a unit's first forward after a step: the step's results have landed, and each matrix is
+        computed with its policy's dtype. Nothing to broadcast: every rank holds the matrices."""
+        if unit.resident:
+            return
+        self.wait_published()
+        for p in unit.params:
+            dtype = self.compute_dtype(unit, p)
+            if dtype != p._dmuon_dtype:
+                _set_data(p, p._dmuon_master.to(dtype))
+        unit.resident = True
+
+    def _drop(self, p: nn.Parameter) -> None:
+        _set_data(p, p._dmuon_master)  # the compute copy goes; every rank keeps the master
+
+    def publish(self) -> None:
+        """After the step: each owner starts broadcasting its updated matrices to every rank, one packed
+        buffer per (owner, dtype)."""
+        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
+        for p in self.params.values():
+            if p.requires_grad:  # a frozen matrix never changes
+                packs.setdefault((self.owner_of(p), str(p._dmuon_dtype)), []).append(p)
+        for (owner, _), params in sorted(packs.items()):
+            if owner == self.rank:
+                flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
+            else:
+                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype,
+                                   device=self.mesh_device)
+            description = f"the post-step broadcast of {len(params)} matrices from rank {owner} ({flat.numel()} values)"
+            event = self.order.check(description)
+            work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
+            self.publishing.append(InFlight(event, description, owner, params, flat, work))
+
+    def wait_published(self) -> None:
+        """Wait for the step's broadcasts and copy the owners' results into every other rank's matrices."""
+        for sent in self.publishing:
+            with self.order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            if sent.owner == self.rank:
+                continue
+            offset = 0
+            for p in sent.params:
+                p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
+                offset += p._dmuon_shape.numel()
+        self.publishing.clear()
+
+    # -- the replicated parameters (replicate) -------------------------------------------
+    def on_replicated_grad(self, p: nn.Parameter) -> None:
+        """Called once p.grad holds this backward's whole gradient (added to what no_sync accumulated in it)."""
+        if self.in_no_sync:
+            return  # autograd keeps adding into p.grad
+        group = self.replicated
+        self.queue_end_of_replicated_backward()
+        index = group.bucket_of[p]
+        group.ready[index].add(p)
+        if len(group.ready[index]) == len(group.buckets[index]):
+            self.issue_all_reduce(index)
+
+    def queue_end_of_replicated_backward(self) -> None:
+        if not self.replicated.end_of_backward_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_replicated_backward))
+            self.replicated.end_of_backward_queued = True
+
+    def issue_all_reduce(self, index: int) -> None:
+        """Start averaging bucket ``index``'s gradients over every rank, in one packed buffer. A parameter that got
+        no gradient in this backward (on this rank) adds zeros, so that every rank sends the same buffer."""
+        group = self.replicated
+        params = group.buckets[index]
+        group.ready[index].clear()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        description = f"the all-reduce of replicated gradients, bucket {index} ({flat.numel()} values of {flat.dtype})"
+        event = self.order.check(description)
+        work = dist.all_reduce(flat, group=self.group, op=dist.ReduceOp.AVG, async_op=True)
+        group.reducing.append(InFlight(event, description, -1, params, flat, work))
+
+    def finish_replicated_backward(self) -> None:
+        """At the end of a backward: all-reduce the partial buckets (in bucket order, the same on every rank),
+        wait for every all-reduce and write the averages into p.grad."""
+        group = self.replicated
+        group.end_of_backward_queued = False
+        for index, ready in enumerate(group.ready):
+            if ready:
+                self.issue_all_reduce(index)
+        for sent in group.reducing:
+            with self.order.waiting(sent.event, sent.description):
+                sent.work.wait()
+            offset = 0
+            for p in sent.params:
+                p.grad = sent.flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        group.reducing.clear()
+
+
+def dedicate_params_ddp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    compute_dtype: torch.dtype | str | None = None,
+    hook_boundary_predicate: HookBoundaryPredicate | None = None,
+    hook_boundary_strict: bool = True,
+    hook_boundary_resolver: HookBoundaryResolver | None = None,
+    *,
+    param_policy: Mapping[str, Any] | None = None,
+    param_policy_fn: PolicyFn | None = None,
+) -> dict[str, int]:
+    """Give each matrix that ``predicate(name, param)`` selects one owner rank, every rank keeping it whole.
+
+    The DDP backend (module docstring): the owner receives the matrix's averaged gradient,
+    steps it and broadcasts the result after ``step()``; then call :func:`replicate` for
+    the other parameters, and build ``dmuon.Muon(model, ...)``. Use ``dmuon.no_sync(model)``
+    for the micro-batches that only accumulate.
+
+    The arguments and their positional order are the public dmuon project's, up to
+    ``hook_boundary_resolver``; ``predicate``, ``compute_dtype``, the hook boundary
+    arguments, ``param_policy`` and ``param_policy_fn`` mean what they mean for
+    ``dedicate_params`` (a hook boundary here is the module at whose forward a unit's
+    matrices are cast to their compute dtype and the order check records the forward).
+    Route "sharded_adamw" is refused: nothing is sharded here.
+
+    Returns:
+        ``{name: owner's rank}`` for each dedicated matrix.
+
+    Raises:
+        ValueError: ``mesh`` is not a 1-D DeviceMesh over every rank of the process group,
+            or what ``dedicate_params`` refuses about the selection and the policies.
+        RuntimeError: the model is already sharded by fully_shard, or was already dedicated.
+        TypeError: as ``dedicate_params``.
+    """
+    require_module("dedicate_params_ddp", model, "pass the model itself, before dmuon.replicate")
+    _require_data_parallel_mesh("dedicate_params_ddp", mesh)
+    return dedicate(DDPState, model, mesh, predicate, compute_dtype, False, None, hook_boundary_predicate,
+                    hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn)
+
+
+def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Average the gradients of every trainable parameter that ``dedicate_params_ddp`` left out, over ``mesh``.
+
+    Call it after :func:`dedicate_params_ddp`, with the same mesh. Each gradient joins a
+    bucket (about 4 MiB, in the order gradients come in backward); a complete bucket is
+    all-reduced (AVG) at once, asynchronously, and the backward's end waits for them all
+    and writes the averages into ``p.grad``. Inside ``dmuon.no_sync(model)`` gradients
+    only accumulate. A parameter that gets no gradient on any rank in a backward gets a
+    zero one (every rank must send the same buffers). As in the public project, the model
+    itself is returned and gains ``model.no_sync()``, the same as ``dmuon.no_sync(model)``.
+
+    Raises:
+        ValueError: ``dedicate_params_ddp`` was not called on ``model``, or ``mesh`` is not
+            its mesh's ranks.
+        RuntimeError: ``replicate`` was already called, or a parameter is a DTensor
+            (fully_shard's, or tensor parallel's: not supported by this backend).
+    """
+    require_module("replicate", model, "pass the model that dmuon.dedicate_params_ddp prepared")
+    _require_data_parallel_mesh("replicate", mesh)
+    state = getattr(model, "_dmuon", None)
+    if not isinstance(state, DDPState):
+        raise ValueError(
+            "dmuon.replicate is the DDP backend's companion: call dmuon.dedicate_params_ddp(model, mesh, predicate) "
+            "first" + (" (this model was prepared by dedicate_params, whose other parameters fully_shard shards)"
+                       if state is not None else "")
+        )
+    if dist.get_process_group_ranks(mesh.get_group()) != dist.get_process_group_ranks(state.group):
+        raise ValueError("replicate's mesh must span the ranks of dedicate_params_ddp's mesh: pass the same mesh")
+    if state.replicated is not None:
+        raise RuntimeError("dmuon.replicate was already called on this model; call it once")
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [p for p in model.parameters() if p.requires_grad and p not in state.name_of]
+    sharded = next((names[id(p)] for p in params if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise RuntimeError(
+            f"{sharded} is a DTensor (sharded by fully_shard or tensor parallelism): dmuon.replicate averages whole "
+            "tensors. Use dedicate_params with fully_shard for a sharded model"
+        )
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):  # backward produces gradients roughly in reverse model order
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
+    state.replicated = Replicated(params, buckets, bucket_of, [set() for _ in buckets])
+    for p in params:
+        p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_replicated_grad))
+    model.no_sync = functools.partial(no_sync, model)
+    return model
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``replicate`` averages on ``model`` (empty if it was not called)."""
+    state = state_of(model)
+    return list(state.replicated.params) if isinstance(state, DDPState) and state.replicated is not None else []
+
+
+def _require_data_parallel_mesh(entry: str, mesh) -> None:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(
+            f"{entry} needs a 1-D DeviceMesh over the data-parallel ranks, got {what}: use "
+            "init_device_mesh(device_type, (world_size,)). For HSDP use dedicate_params(model, mesh2d['shard'], "
+            "predicate, replicate_mesh=mesh2d['replicate']) with fully_shard"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh spans {mesh.size()} rank(s) but the process group has {world}: {entry} needs a mesh over "
+            f"every rank of the process group; build it with init_device_mesh('{mesh.device_type}', "
+            "(dist.get_world_size(),)) after the process group exists"
+        )

@@ -1,0 +1,50 @@
+"""The public dmuon tp-dp example's call order (TP, dedicate_params(model, mesh["dp"]), fully_shard(mesh["dp"]),
+dmuon.Muon), unchanged but for "cpu" and gloo, on 4 ranks (2 dp x 2 tp), next to one process on the same batch
+(every replica gets the same batch, so its average is the full batch): rank 0 prints each step's max |difference|.
+"""
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from dmuon_edu import dmuon
+class Attn(nn.Module):
+    def __init__(s, d=16):
+        super().__init__(); s.q_proj=nn.Linear(d,d,bias=False); s.k_proj=nn.Linear(d,d,bias=False); s.v_proj=nn.Linear(d,d,bias=False); s.o_proj=nn.Linear(d,d,bias=False)
+    def forward(s,x): return s.o_proj(torch.tanh(s.q_proj(x))*s.k_proj(x)+s.v_proj(x))
+class MLP(nn.Module):
+    def __init__(s,d=16,f=32):
+        super().__init__(); s.gate_proj=nn.Linear(d,f,bias=False); s.up_proj=nn.Linear(d,f,bias=False); s.down_proj=nn.Linear(f,d,bias=False)
+    def forward(s,x): return s.down_proj(torch.nn.functional.silu(s.gate_proj(x))*s.up_proj(x))
+class Block(nn.Module):
+    def __init__(s): super().__init__(); s.attn=Attn(); s.mlp=MLP(); s.n=nn.LayerNorm(16)
+    def forward(s,x): x = x + s.attn(s.n(x)); return x + s.mlp(s.n(x))
+class Net(nn.Module):
+    def __init__(s): super().__init__(); s.layers=nn.ModuleList(Block() for _ in range(2)); s.head=nn.Linear(16,1,bias=False)
+    def forward(s,x):
+        for l in s.layers: x=l(x)
+        return s.head(x).sum()
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+torch.manual_seed(42); model = Net()
+for layer in model.layers:
+    parallelize_module(layer.attn, mesh["tp"], {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+dmuon.dedicate_params(model, mesh["dp"], predicate=lambda n, p: "proj" in n and p.ndim == 2)
+for layer in model.layers: fully_shard(layer, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+opt = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3, ns_dtype=torch.float32)
+from dmuon_edu import muon
+torch.manual_seed(42); ref = Net()
+sel = lambda n, p: "proj" in n and p.ndim == 2
+ro = [muon.Muon([p for n, p in ref.named_parameters() if sel(n, p)], lr=0.02, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32),
+      torch.optim.AdamW([p for n, p in ref.named_parameters() if not sel(n, p)], lr=1e-3, weight_decay=0.01)]
+for step in range(3):
+    opt.zero_grad(); torch.manual_seed(step); x = torch.randn(4, 8, 16)
+    loss = model(x); loss.backward(); opt.step()
+    ref(x).backward()
+    for o in ro: o.step(); o.zero_grad()
+    sd = dmuon.get_model_state_dict(model, dmuon.StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        diff = max((sd[n].cpu() - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        print(f"step {step} max_abs_diff={diff}", flush=True)
+dist.destroy_process_group()
