@@ -35,9 +35,12 @@ stage() {
 EMULATED_AVX2=(env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DMUON_EDU_NS_DTYPE=float32)
 EMULATED_TESTS=(tests/test_newton_schulz.py tests/test_muon.py tests/test_capstone.py tests/test_accumulation.py)
 EMULATED_NOTEBOOKS=(solutions/04b_muon_optimizer.ipynb solutions/07_capstone.ipynb)
-NATIVE_NOTEBOOKS=()
+# Modules 5 to 7 launch ranks with torchrun: their notebooks run one at a time (the ranks take both
+# cores). Modules 1 to 4 run in one process, mostly Python, on two workers.
+IN_PROCESS_NOTEBOOKS=() LAUNCHING_NOTEBOOKS=()
 for notebook in solutions/*.ipynb; do
-    [[ " ${EMULATED_NOTEBOOKS[*]} " == *" $notebook "* ]] || NATIVE_NOTEBOOKS+=("$notebook")
+    [[ " ${EMULATED_NOTEBOOKS[*]} " == *" $notebook "* ]] && continue
+    case $notebook in solutions/0[5-7]*) LAUNCHING_NOTEBOOKS+=("$notebook") ;; *) IN_PROCESS_NOTEBOOKS+=("$notebook") ;; esac
 done
 NBVAL=(-m pytest -q -p no:cacheprovider --durations=10 --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg)
 
@@ -67,7 +70,13 @@ unit() {
 stage "install, and chromium for the browser test" 150 install
 stage "unit tests" 120 unit
 stage "torchrun scripts and distributed tests" 200 $PY -m pytest -q -p no:cacheprovider --durations=10 -m torchrun tests
-stage "solution notebooks (nbval)" 180 $PY "${NBVAL[@]}" "${NATIVE_NOTEBOOKS[@]}"
+nbval() {
+    local rc=0
+    $PY "${NBVAL[@]}" -n 2 --dist loadfile "${IN_PROCESS_NOTEBOOKS[@]}" || rc=1
+    $PY "${NBVAL[@]}" "${LAUNCHING_NOTEBOOKS[@]}" || rc=1
+    return $rc
+}
+stage "solution notebooks (nbval)" 180 nbval
 emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then the tests, then the notebooks
     local rc=0
     "${EMULATED_AVX2[@]}" $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import machine; print(machine.describe())' || rc=1
