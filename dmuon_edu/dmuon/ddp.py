@@ -54,7 +54,18 @@ from torch.distributed.tensor import DTensor
 from dmuon_edu.arguments import require_module
 
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver
-from .dedicate import DMuonState, InFlight, Unit, _outside_dynamo, _set_data, dedicate, no_sync, state_of
+from .dedicate import (
+    DMuonState,
+    InFlight,
+    Unit,
+    _outside_dynamo,
+    _set_data,
+    dedicate,
+    finish_packed_broadcasts,
+    no_sync,
+    start_packed_broadcasts,
+    state_of,
+)
 from .policy import PolicyFn
 
 __all__ = ["dedicate_params_ddp", "replicate", "DDPState", "Replicated"]
@@ -116,29 +127,12 @@ class DDPState(DMuonState):
         for p in self.params.values():
             if p.requires_grad:  # a frozen matrix never changes
                 packs.setdefault((self.owner_of(p), str(p._dmuon_dtype)), []).append(p)
-        for (owner, _), params in sorted(packs.items()):
-            if owner == self.rank:
-                flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
-            else:
-                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype,
-                                   device=self.mesh_device)
-            description = f"the post-step broadcast of {len(params)} matrices from rank {owner} ({flat.numel()} values)"
-            event = self.order.check(description)
-            work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
-            self.publishing.append(InFlight(event, description, owner, params, flat, work))
+        self.publishing += start_packed_broadcasts(packs, self.rank, self.group, self.mesh_device, self.order,
+                                                   "the post-step broadcast of {n} matrices from rank {source}")
 
     def wait_published(self) -> None:
         """Wait for the step's broadcasts and copy the owners' results into every other rank's matrices."""
-        for sent in self.publishing:
-            with self.order.waiting(sent.event, sent.description):
-                sent.work.wait()
-            if sent.owner == self.rank:
-                continue
-            offset = 0
-            for p in sent.params:
-                p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
-                offset += p._dmuon_shape.numel()
-        self.publishing.clear()
+        finish_packed_broadcasts(self.publishing, self.rank, self.order)
 
     # -- the replicated parameters (replicate) -------------------------------------------
     def on_replicated_grad(self, p: nn.Parameter) -> None:

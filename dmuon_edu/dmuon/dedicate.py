@@ -402,29 +402,42 @@ class DMuonState:
         for p in self.params.values():
             if self.owns(p):
                 packs.setdefault((p._dmuon_replica, str(p._dmuon_dtype)), []).append(p)
-        for (source, _), params in sorted(packs.items()):
-            if source == self.replica:
-                flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
-            else:
-                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype,
-                                   device=self.mesh_device)
-            description = f"the publish of {len(params)} matrices from replica {source} ({flat.numel()} values)"
-            event = self.replicate_order.check(description)
-            work = dist.broadcast(flat, group=self.replicate_group, group_src=source, async_op=True)
-            self.publishing.append(InFlight(event, description, source, params, flat, work))
+        self.publishing += start_packed_broadcasts(packs, self.replica, self.replicate_group, self.mesh_device,
+                                                   self.replicate_order, "the publish of {n} matrices from replica {source}")
 
     def wait_published(self) -> None:
         """Wait for the step's published matrices and copy them into this replica's holders' masters."""
-        for sent in self.publishing:
-            with self.replicate_order.waiting(sent.event, sent.description):
-                sent.work.wait()
-            if sent.owner == self.replica:
-                continue
-            offset = 0
-            for p in sent.params:
-                p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
-                offset += p._dmuon_shape.numel()
-        self.publishing.clear()
+        finish_packed_broadcasts(self.publishing, self.replica, self.replicate_order)
+
+def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me: int, group: dist.ProcessGroup,
+                            device: torch.device, order: CollectiveOrder, what: str) -> list[InFlight]:
+    """Start one asynchronous broadcast per (source, dtype) pack of matrices' masters, from the source's rank
+    in ``group``; ``what`` names it for the order check ("{n}" matrices, "{source}")."""
+    started = []
+    for (source, _), params in sorted(packs.items()):
+        if source == me:
+            flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
+        else:
+            flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype, device=device)
+        description = f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"
+        event = order.check(description)
+        work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
+        started.append(InFlight(event, description, source, params, flat, work))
+    return started
+
+
+def finish_packed_broadcasts(started: list[InFlight], me: int, order: CollectiveOrder) -> None:
+    """Wait for the broadcasts of :func:`start_packed_broadcasts` and copy each into the receivers' masters."""
+    for sent in started:
+        with order.waiting(sent.event, sent.description):
+            sent.work.wait()
+        if sent.owner == me:
+            continue
+        offset = 0
+        for p in sent.params:
+            p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
+            offset += p._dmuon_shape.numel()
+    started.clear()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
