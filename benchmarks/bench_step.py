@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_step.py           # 2 and 4 CPU ranks; a few minutes on 2 cores
 
-The peer's headline number: k micro-batches of forward and backward, then the
+The peer's headline number: N micro-batches of forward and backward, then the
 optimizer step, on the same model, in one run per world size, the setups interleaved
 (each repeat in a rotated order, so that drift hits all alike); medians of the slowest
 rank's time. The model: the course's small GPT (d 256, 4 layers, vocab 256), 8 x 64

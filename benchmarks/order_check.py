@@ -12,14 +12,14 @@ Per mode, one step's events and store round trips (CollectiveOrder.issued and
 rank, the slowest rank's) and the step's time, medians. The time inside the check is the
 cost: on a shared machine the step times move by more than it.
 
-Events per step, for L layers with O owners each and k micro-batches with no_sync:
-k (L + 2 L O) + L O + 1 in Z3 (each forward: a check per layer and a broadcast per
+Events per step, for L layers with O owners each and N micro-batches with no_sync:
+N (L + 2 L O) + L O + 1 in Z3 (each forward: a check per layer and a broadcast per
 (layer, owner); each backward: the broadcasts again; the window's reduces; the step's
-all-reduce), k L + 2 L O + 1 in Z2; the rows print the formula beside the count.
+all-reduce), N L + 2 L O + 1 in Z2; the rows print the formula beside the count.
 
 The model for more ranks: every rank makes one blocking round trip per event to the
-one store, whose server answers them one at a time, so "strict" queues N E requests
-per step at one thread: at t_s per request, up to N E t_s of serialised store time
+one store, whose server answers them one at a time, so "strict" queues W E requests
+per step on W ranks, at one thread: at t_s per request, up to W E t_s of serialised store time
 per step, however fast each rank is. t_s is measured as one compare_set round trip to a
 TCPStore served by this process (an upper bound: it includes the client's side).
 "per_step" queues none after its first step.

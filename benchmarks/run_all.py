@@ -16,10 +16,10 @@ Each row sets a measured number beside what it is judged against, both from this
   "strict" (a store round trip per event) and "per_step" (the default), against the
   step's time, on 2 and 4 ranks (order_check.measure);
 - communication per optimizer step, counted by count_comm in the capstone's dmuon runs,
-  against the published formulas: 2(N-1)/N P_M (Z2) and 3(N-1)/N P_M (Z3) for one
+  against the published formulas: 2(W-1)/W P_M (Z2) and 3(W-1)/W P_M (Z3) on W ranks for one
   micro-batch per step, and one reduce per window with no_sync. count_comm counts every
   call's whole tensor; in a ring or tree broadcast (or reduce) of P bytes each rank puts
-  (N-1)/N P on the wire, so wire bytes per rank = (N-1)/N x counted bytes (module 6);
+  (W-1)/W P on the wire, so wire bytes per rank = (W-1)/W x counted bytes (module 6);
 - peak memory of one accumulated step (4 micro-batches) against the same step on the
   full batch (dmuon_edu.peak_memory_bytes);
 - Newton-Schulz throughput in bf16 against bf16 matmul throughput (X @ X^T on the same
@@ -162,15 +162,15 @@ def communication_rows() -> list[str]:
         run = k1[mode]
         n, p_m = run["world_size"], run["P_M"]
         formula = factor * (n - 1) * p_m // n
-        rows.append(row(f"dmuon bytes per step, {mode}, 1 micro-batch, {n} ranks (wire per rank = (N-1)/N x counted)",
-                        f"{wire(run, 'broadcast', 'reduce')} B", f"{factor}(N-1)/N P_M = {formula} B",
+        rows.append(row(f"dmuon bytes per step, {mode}, 1 micro-batch, {n} ranks (wire per rank = (W-1)/W x counted)",
+                        f"{wire(run, 'broadcast', 'reduce')} B", f"{factor}(W-1)/W P_M = {formula} B",
                         wire(run, "broadcast", "reduce") / formula))
     for mode in ("Z3", "Z3 without no_sync"):
         run = k4[mode]
         n, p_m = run["world_size"], run["P_M"]
-        per_window = (n - 1) * p_m // n  # no_sync: one reduce per window, whatever k
+        per_window = (n - 1) * p_m // n  # no_sync: one reduce per window, whatever the number of micro-batches
         rows.append(row(f"dmuon reduce bytes per step, {mode}, 4 micro-batches", f"{wire(run, 'reduce')} B",
-                        f"one reduce per window, (N-1)/N P_M = {per_window} B", wire(run, "reduce") / per_window))
+                        f"one reduce per window, (W-1)/W P_M = {per_window} B", wire(run, "reduce") / per_window))
     return rows
 
 

@@ -15,22 +15,22 @@ rank holds any storage for it. Every other parameter is *symmetric*: fully_shard
 shards it, AdamW steps the shards. fully_shard leaves dedicated matrices alone, even
 when called without ignored_params (fsdp_exclusion.py: the one torch-internal patch).
 
-When each collective happens (P_M = bytes of all dedicated matrices; k micro-batches
-per optimizer step, the first k-1 inside no_sync):
+When each collective happens (P_M = bytes of all dedicated matrices; N micro-batches
+per optimizer step, the first N-1 inside no_sync):
 
 - broadcast, for a layer's forward: each owner sends that layer's matrices that it
   owns, packed into one buffer per (owner, dtype), issued when the previous layer's
   forward starts (``dmuon.Muon(..., forward_prefetch_depth=1)``) and waited when this
   layer's starts. Z3 (reshard_after_forward=True, the default) frees them after the
   layer's forward and broadcasts them again when backward reaches the layer (issued,
-  likewise, one layer ahead in backward order): 2k * P_M per step. Z2 (False) keeps
+  likewise, one layer ahead in backward order): 2N * P_M per step. Z2 (False) keeps
   them from the first forward until optimizer.step(), through all micro-batches:
   1 * P_M per step, for P_M of extra memory on every rank.
 - reduce (op AVG), in backward: one per (layer, owner, dtype) bucket, issued as soon as
   the bucket's gradients are complete, to its owner, waited at the end of the backward,
   into ``p._reduced_grad``. Inside no_sync there is none: gradients add into
   ``p._accumulated_grad`` and FSDP2 skips its reduce-scatter; the next backward outside
-  no_sync reduces everything: 1 * P_M per step (k * P_M without no_sync).
+  no_sync reduces everything: 1 * P_M per step (N * P_M without no_sync).
 - step: owners run Muon on their matrices (same shapes batched through NS); AdamW
   steps the shards. The only communication is one all_reduce of a one-element flag:
   if any gradient on any rank holds NaN or Inf, every rank skips the step (optim.py).

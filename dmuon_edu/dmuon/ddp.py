@@ -12,14 +12,14 @@ other trainable parameter over all ranks (one all-reduce per bucket), and every 
 steps those with AdamW, as DDP does.
 
 Per optimizer step (P_M = bytes of the trainable dedicated matrices, P_R = bytes of the
-replicated parameters; k micro-batches, the first k-1 inside ``dmuon.no_sync``), as
+replicated parameters; N micro-batches, the first N-1 inside ``dmuon.no_sync``), as
 count_comm counts (the whole tensor on every rank taking part):
 
 - reduce (AVG) of the dedicated gradients to their owners, one per (layer, owner,
-  dtype) bucket, issued in backward as soon as a bucket is complete: P_M (k * P_M
+  dtype) bucket, issued in backward as soon as a bucket is complete: P_M (N * P_M
   without no_sync);
 - all-reduce (AVG) of the replicated gradients, in buckets of about 4 MiB, issued in
-  backward as soon as a bucket is complete: P_R (k * P_R without no_sync);
+  backward as soon as a bucket is complete: P_R (N * P_R without no_sync);
 - broadcast of the updated matrices from their owners, one per (owner, dtype), issued
   at the end of ``step()`` and waited at the next forward (``dmuon.Muon(...,
   replicate_async=True)``, the default) or within ``step()``: P_M;
