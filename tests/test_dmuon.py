@@ -225,8 +225,10 @@ def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
     c = real_use(checks, f"ddp_{config}")
     passes = 1 if config == "no_sync" else c["k"]
     p_m, p_r = c["dedicated_bytes"], c["replicated_bytes"]
-    for mine, peer in zip(c["per_rank"], c["peer_per_rank"]):
+    for mine, peer, plan in zip(c["per_rank"], c["peer_per_rank"], c["plan"]):
         assert mine["reduce"] == passes * p_m and mine["broadcast"] == p_m, c
+        # summarize_comm_plan plans it: one reduce per pass, one broadcast per step (after it), not per layer
+        assert plan["reduce"] * passes == mine["reduce"] and plan["broadcast"] == mine["broadcast"], c
         assert mine["all_reduce"] == passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES, c
         assert peer["all_reduce"] == passes * (p_m + p_r), c
 
@@ -237,6 +239,18 @@ def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_and_a_hook_boundary(
     # one matrix routed to AdamW by param_policy, hooks on the blocks: the same tolerance against one process
     assert c["policy_max_abs_diff"] < TOLERANCE and c["policy_largest_change"] > 1000 * TOLERANCE, c
     assert c["units"] == ["layers.0", "layers.1", "layers.2"], c
+
+
+def test_the_ddp_backend_computes_in_compute_dtype_and_plans_what_it_sends(checks):
+    # dedicate_params_ddp(model, mesh, predicate, torch.bfloat16) with one frozen matrix, one window with no_sync:
+    # every rank computes in bf16 from float32 masters; the frozen matrix is neither reduced nor broadcast; the
+    # post-step broadcast carries the trainable float32 masters, and the plan says so (it used to plan per-layer
+    # broadcasts in bf16, which this backend never makes).
+    c = real_use(checks, "ddp_compute_dtype_and_frozen")
+    assert c["forward_dtypes"] == ["torch.bfloat16"] and c["master_dtypes"] == ["torch.float32"], c
+    for plan, counted in zip(c["plan"], c["counted"]):
+        assert counted == {"broadcast": c["trainable_bytes"], "reduce": c["trainable_bytes"]}, c
+        assert plan == counted, c
 
 
 def _free_port():
@@ -606,6 +620,11 @@ def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(chec
     assert c["looked"] == 6 and c["layer2_held_in_layer0_backward"] == [False] * c["nproc"], c
     assert c["frozen_change"] == 0.0 and c["storage_ok"], c
     assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    # one window of Z3 with no_sync: the frozen matrix is broadcast 2k times like the others but never reduced,
+    # and summarize_comm_plan plans exactly that
+    for plan, counted in zip(c["plan"], c["counted"]):
+        assert counted["reduce"] == plan["reduce"] == c["dedicated_bytes"] - c["frozen_bytes"], c
+        assert counted["broadcast"] == 2 * c["k"] * plan["broadcast"] == 2 * c["k"] * c["dedicated_bytes"], c
 
 
 def test_param_groups_and_policy_routes_train_like_one_process_and_resume(checks):
