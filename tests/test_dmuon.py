@@ -233,12 +233,15 @@ def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
         assert peer["all_reduce"] == passes * (p_m + p_r), c
 
 
-def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_and_a_hook_boundary(checks):
+def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_a_hook_boundary_groups_and_an_ns_backend(checks):
     c = real_use(checks, "ddp_resume_and_policy")
     assert c["max_abs_diff_after_resume"] == 0.0, c  # the same state, the same operations: bit for bit
-    # one matrix routed to AdamW by param_policy, hooks on the blocks: the same tolerance against one process
+    # one matrix routed to AdamW by param_policy, hooks on the blocks, two semantic param_groups and the Polar
+    # Express coefficients (test_ns_backend_... shows that the comparison tells them from Jordan's): the same
+    # tolerance against one process with the same groups and coefficients
     assert c["policy_max_abs_diff"] < TOLERANCE and c["policy_largest_change"] > 1000 * TOLERANCE, c
     assert c["units"] == ["layers.0", "layers.1", "layers.2"], c
+    assert c["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], c
 
 
 def test_the_ddp_backend_computes_in_compute_dtype_and_plans_what_it_sends(checks):

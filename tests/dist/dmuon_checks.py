@@ -973,16 +973,22 @@ def check_param_groups(mesh):
            continued_max_diff=continued, refusals=per_rank_outcomes(refusals))
 
 
+class PolarExpressMuon(muon.Muon):
+    """The reference of ns_backend=POLAR_EXPRESS: dmuon_edu.newton_schulz run directly with those coefficients."""
+
+    def _orthogonaliser(self, group):
+        return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS,
+                       dtype=group["ns_dtype"], gram_space=False)
+
+
+def polar_express():
+    return dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS)
+
+
 def check_ns_backend(mesh):
     """ns_backend=NewtonSchulz("direct", coefficients=POLAR_EXPRESS_COEFFICIENTS) against one process running
     dmuon_edu.newton_schulz directly with those coefficients."""
-    class PolarExpressMuon(muon.Muon):
-        def _orthogonaliser(self, group):
-            return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS,
-                           dtype=group["ns_dtype"], gram_space=False)
-
-    backend = dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS)
-    model, opt = build(mesh, zero3=True, muon_kwargs={"ns_backend": backend})
+    model, opt = build(mesh, zero3=True, muon_kwargs={"ns_backend": polar_express()})
     torch.manual_seed(0)
     ref = Net()
     diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate, PolarExpressMuon))
@@ -1103,12 +1109,12 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, **dedicate_kwargs):
+def build_ddp(mesh, seed=0, muon_kwargs=None, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net().to(mesh.device_type)
     dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
     dmuon.replicate(model, mesh)
-    return model, muon_of(model)
+    return model, muon_of(model, **(muon_kwargs or {}))
 
 
 def replicated_muon_step(ddp, optimizers, mine, total, use_no_sync):
@@ -1186,15 +1192,28 @@ def check_ddp(mesh):
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, state)
     resumed = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
 
-    # param_policy (one matrix routed to AdamW) and a hook boundary predicate, against one process.
+    # param_policy (one matrix routed to AdamW), a hook boundary predicate, param_groups and the Polar Express
+    # ns_backend, against one process with the same groups and coefficients.
     policy = {"overrides": [{"name": DDP_ROUTED.removesuffix(".weight"), "set": {"route": "adamw"}}]}
-    model, opt = build_ddp(mesh, param_policy=policy, hook_boundary_predicate=lambda m: isinstance(m, Block))
+    torch.manual_seed(0)
+    model = Net().to(mesh.device_type)
+    dmuon.dedicate_params_ddp(model, mesh, predicate, param_policy=policy,
+                              hook_boundary_predicate=lambda m: isinstance(m, Block))
+    dmuon.replicate(model, mesh)
+    opt = muon_of(model, param_groups=grouped(model), ns_backend=polar_express())
     torch.manual_seed(0)
     ref = Net()
-    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(
-        ref, lambda n, p: predicate(n, p) and n != DDP_ROUTED))
+    on_muon = lambda n, p: predicate(n, p) and n != DDP_ROUTED  # noqa: E731
+    named = dict(ref.named_parameters())
+    diff, moved = train_side_by_side(model, opt, ref, [
+        PolarExpressMuon([p for n, p in named.items() if on_muon(n, p)], **{**HYPER, "lr": 0.01},
+                         ns_dtype=torch.float32),
+        torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
+                           {"params": [p for n, p in named.items() if p.ndim == 2 and not on_muon(n, p)], "lr": 5e-3}],
+                          **ADAMW)])
     report("ddp_resume_and_policy", max_abs_diff_after_resume=resumed, policy_max_abs_diff=diff,
-           policy_largest_change=moved, units=[u.path for u in model._dmuon.units])
+           policy_largest_change=moved, units=[u.path for u in model._dmuon.units],
+           groups=[g["group_name"] for g in opt.param_groups])
 
     # compute_dtype (the public positional order) and a frozen matrix: the matrices compute in bf16, their masters
     # stay float32, and summarize_comm_plan plans what count_comm counts in a window (no broadcast before a
