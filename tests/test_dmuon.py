@@ -832,3 +832,23 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
     result = torchrun(DIST / "tp_dp_snippet.py", nproc=4, timeout=180, echo=False)
     diffs = [float(line.rsplit("=", 1)[1]) for line in result.stdout(0).splitlines() if line.startswith("step ")]
     assert len(diffs) == 3 and max(diffs) < TOLERANCE, result.stdout(0)
+    # The same launch, beyond the public example. One step (Z3, no micro-batches) as summarize_comm_plan plans it
+    # and count_comm counts it, on every rank: the broadcast twice (forward, backward), the reduce once, the TP
+    # gather and scatter as planned.
+    for rank in range(4):
+        [line] = [line for line in result.stdout(rank).splitlines() if line.startswith("plan ")]
+        plan = json.loads(line.removeprefix("plan "))
+        planned, counted = plan["planned"], plan["counted"]
+        assert counted["broadcast"] == 2 * planned["broadcast_tensor_bytes"] > 0, plan
+        assert counted["reduce"] == planned["stage1_shard_reduce_tensor_bytes"], plan
+        assert counted["gather"] == planned["tp_gather_tensor_bytes_this_rank"] > 0, plan
+        assert counted["scatter"] == planned["tp_scatter_tensor_bytes_this_rank"] > 0, plan
+    # param_groups, the Polar Express ns_backend, a hook boundary predicate and clip_grad_norm_ (the optimizer's
+    # form measuring the Muon gradients, the model's clipping every one to 1) on TP against one process with the
+    # same groups, coefficients and clipping, 2 steps: the same float32 reordering as above, and the norms' too
+    [line] = [line for line in result.stdout(0).splitlines() if line.startswith("api ")]
+    api = json.loads(line.removeprefix("api "))
+    assert api["max_abs_diff"] < TOLERANCE and api["largest_change"] > 1000 * TOLERANCE, api
+    assert all(muon < 1e-5 and full < 1e-5 and norm > 1.0 for muon, full, norm in api["norm_rel_diffs"]), api
+    assert api["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], api
+    assert api["units"] == ["layers.0", "layers.1"], api

@@ -10,7 +10,11 @@ one optimizer step of Z2 with no_sync moves, as count_comm counts it, the sum of
 frozen matrix (``requires_grad=False``) has no gradient: its ``reduce_bytes`` are 0. The
 DDP backend (ddp.py) broadcasts nothing before a forward: a row's ``bytes`` there are the
 post-step broadcast of the matrix from its owner, in the master's dtype, once per
-optimizer step whatever k (0 for a frozen matrix, which never changes). A comm plan
+optimizer step whatever k (0 for a frozen matrix, which never changes). With tensor
+parallelism (tp.py) a row is the matrix's TP shard, and the totals add the step's TP
+gather of the gradient shards and scatter of the update, as count_comm counts them on
+this rank (``tp_gather_tensor_bytes_this_rank``, ``tp_scatter_tensor_bytes_this_rank``:
+the whole matrix on its TP owner, a shard on the others). A comm plan
 row's ``route`` is the matrix's policy's; ``summarize_param_groups`` reports the
 optimizer's, which a group's ``dmuon_route`` may have changed.
 The ring figures are the public project's estimates: 2 (N - 1) / N of a payload per rank.
@@ -107,7 +111,14 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
                             "stage1_shard_reduce_ring_bytes_per_rank", "stage2_replicate_reduce_tensor_bytes_this_rank",
                             "post_step_replicate_broadcast_tensor_bytes_this_rank", "owner_update_ring_bytes_per_rank",
                             "same_payload_allreduce_ring_bytes_per_rank", "max_owner_bucket_bytes",
-                            "broadcast_tensor_bytes"), 0)
+                            "broadcast_tensor_bytes", "tp_gather_tensor_bytes_this_rank",
+                            "tp_scatter_tensor_bytes_this_rank"), 0)
+    for p in state.params.values():  # the DP owners of a TP-sharded matrix join its gather and scatter (tp.py)
+        tp = getattr(p, "_dmuon_tp", None)
+        if tp is not None and state.owns(p):
+            shard = p._dmuon_shape.numel() * _itemsize(p._dmuon_dtype)
+            for key in ("tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank"):
+                totals[key] += shard * tp.size if tp.index == tp.owner else shard
     ring = 2 * (state.world_size - 1) / state.world_size
     groups = []
     for index, unit in enumerate(state.units):
