@@ -843,6 +843,10 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
         assert counted["reduce"] == planned["stage1_shard_reduce_tensor_bytes"], plan
         assert counted["gather"] == planned["tp_gather_tensor_bytes_this_rank"] > 0, plan
         assert counted["scatter"] == planned["tp_scatter_tensor_bytes_this_rank"] > 0, plan
+        # the order check (per_step): the mesh's events went through the store until the first step checked them;
+        # after it no axis makes a round trip (the TP group's gathers and scatters, issued after the step's check,
+        # follow from the mesh's events; they used to go through the store at every step)
+        assert plan["round_trips_in_steps_1_to_3"][0] > 0 and plan["round_trips_in_step_4"] == [0, 0], plan
     # param_groups, the Polar Express ns_backend, a hook boundary predicate and clip_grad_norm_ (the optimizer's
     # form measuring the Muon gradients, the model's clipping every one to 1) on TP against one process with the
     # same groups, coefficients and clipping, 2 steps: the same float32 reordering as above, and the norms' too
@@ -852,3 +856,4 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
     assert all(muon < 1e-5 and full < 1e-5 and norm > 1.0 for muon, full, norm in api["norm_rel_diffs"]), api
     assert api["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], api
     assert api["units"] == ["layers.0", "layers.1"], api
+    assert api["round_trips_with_order_check_off"] == [0, 0], api  # order_check="off" reaches the TP group's too

@@ -3,9 +3,10 @@ dmuon.Muon), unchanged but for "cpu" and gloo, on 4 ranks (2 dp x 2 tp), next to
 (every replica gets the same batch, so its average is the full batch): rank 0 prints each step's max |difference|.
 
 After it, beyond the public example, on the same layout: one step's collectives as count_comm counts them and as
-summarize_comm_plan plans them (every rank prints a "plan" line), and the public API issue 24 added (param_groups,
-the Polar Express ns_backend, clip_grad_norm_ in both forms, a hook boundary predicate) against one process with
-the same groups, coefficients and clipping (rank 0 prints an "api" line).
+summarize_comm_plan plans them, and the order check's store round trips in it (every rank prints a "plan" line);
+the public API issue 24 added (param_groups, the Polar Express ns_backend, clip_grad_norm_ in both forms, a hook
+boundary predicate, order_check="off") against one process with the same groups, coefficients and clipping (rank 0
+prints an "api" line).
 """
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -58,11 +59,14 @@ import json
 from functools import partial
 from dmuon_edu.newton_schulz import newton_schulz
 plan = dmuon.summarize_comm_plan(model)["totals"]
+trips = [o.round_trips for o in model._dmuon.orders]  # the order check's store round trips (order.py), per axis
 with dmuon.count_comm() as counted:
     opt.zero_grad(); loss = model(torch.randn(4, 8, 16)); loss.backward(); opt.step()
 print("plan " + json.dumps({"planned": {k: plan[k] for k in ("broadcast_tensor_bytes", "stage1_shard_reduce_tensor_bytes",
                                                               "tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank")},
-                            "counted": {k: counted.bytes.get(k, 0) for k in ("broadcast", "reduce", "gather", "scatter")}}), flush=True)
+                            "counted": {k: counted.bytes.get(k, 0) for k in ("broadcast", "reduce", "gather", "scatter")},
+                            "round_trips_in_step_4": [o.round_trips - t for o, t in zip(model._dmuon.orders, trips)],
+                            "round_trips_in_steps_1_to_3": trips}), flush=True)
 class PolarExpressMuon(muon.Muon):  # the reference of ns_backend=POLAR_EXPRESS
     def _orthogonaliser(self, group):
         return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS, dtype=group["ns_dtype"], gram_space=False)
@@ -75,7 +79,7 @@ for layer in model.layers: fully_shard(layer, mesh=mesh["dp"])
 fully_shard(model, mesh=mesh["dp"])
 groups = lambda m: [{"params": [p for p in m.parameters() if p.ndim < 2], "group_name": "no_decay", "weight_decay": 0.0},
                     {"params": [p for p in m.parameters() if p.ndim == 2], "group_name": "rest", "muon_lr": 0.01, "adamw_lr": 5e-3}]
-opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, param_groups=groups(model), ns_dtype=torch.float32,
+opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, param_groups=groups(model), ns_dtype=torch.float32, order_check="off",
                  ns_backend=dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS))
 torch.manual_seed(42); ref = Net()
 named = dict(ref.named_parameters())
@@ -102,5 +106,6 @@ if dist.get_rank() == 0:
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), Net().parameters()))
     print("api " + json.dumps({"max_abs_diff": max(diffs), "largest_change": moved, "norm_rel_diffs": norms,
                                "groups": [g["group_name"] for g in opt.param_groups],
-                               "units": [u.path for u in model._dmuon.units]}), flush=True)
+                               "units": [u.path for u in model._dmuon.units],
+                               "round_trips_with_order_check_off": [o.round_trips for o in model._dmuon.orders]}), flush=True)
 dist.destroy_process_group()
