@@ -225,18 +225,35 @@ def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
     c = real_use(checks, f"ddp_{config}")
     passes = 1 if config == "no_sync" else c["k"]
     p_m, p_r = c["dedicated_bytes"], c["replicated_bytes"]
-    for mine, peer in zip(c["per_rank"], c["peer_per_rank"]):
+    for mine, peer, plan in zip(c["per_rank"], c["peer_per_rank"], c["plan"]):
         assert mine["reduce"] == passes * p_m and mine["broadcast"] == p_m, c
+        # summarize_comm_plan plans it: one reduce per pass, one broadcast per step (after it), not per layer
+        assert plan["reduce"] * passes == mine["reduce"] and plan["broadcast"] == mine["broadcast"], c
         assert mine["all_reduce"] == passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES, c
         assert peer["all_reduce"] == passes * (p_m + p_r), c
 
 
-def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_and_a_hook_boundary(checks):
+def test_the_ddp_backend_resumes_exactly_and_takes_a_policy_a_hook_boundary_groups_and_an_ns_backend(checks):
     c = real_use(checks, "ddp_resume_and_policy")
     assert c["max_abs_diff_after_resume"] == 0.0, c  # the same state, the same operations: bit for bit
-    # one matrix routed to AdamW by param_policy, hooks on the blocks: the same tolerance against one process
+    # one matrix routed to AdamW by param_policy, hooks on the blocks, two semantic param_groups and the Polar
+    # Express coefficients (test_ns_backend_... shows that the comparison tells them from Jordan's): the same
+    # tolerance against one process with the same groups and coefficients
     assert c["policy_max_abs_diff"] < TOLERANCE and c["policy_largest_change"] > 1000 * TOLERANCE, c
     assert c["units"] == ["layers.0", "layers.1", "layers.2"], c
+    assert c["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], c
+
+
+def test_the_ddp_backend_computes_in_compute_dtype_and_plans_what_it_sends(checks):
+    # dedicate_params_ddp(model, mesh, predicate, torch.bfloat16) with one frozen matrix, one window with no_sync:
+    # every rank computes in bf16 from float32 masters; the frozen matrix is neither reduced nor broadcast; the
+    # post-step broadcast carries the trainable float32 masters, and the plan says so (it used to plan per-layer
+    # broadcasts in bf16, which this backend never makes).
+    c = real_use(checks, "ddp_compute_dtype_and_frozen")
+    assert c["forward_dtypes"] == ["torch.bfloat16"] and c["master_dtypes"] == ["torch.float32"], c
+    for plan, counted in zip(c["plan"], c["counted"]):
+        assert counted == {"broadcast": c["trainable_bytes"], "reduce": c["trainable_bytes"]}, c
+        assert plan == counted, c
 
 
 def _free_port():
@@ -606,6 +623,11 @@ def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(chec
     assert c["looked"] == 6 and c["layer2_held_in_layer0_backward"] == [False] * c["nproc"], c
     assert c["frozen_change"] == 0.0 and c["storage_ok"], c
     assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    # one window of Z3 with no_sync: the frozen matrix is broadcast 2k times like the others but never reduced,
+    # and summarize_comm_plan plans exactly that
+    for plan, counted in zip(c["plan"], c["counted"]):
+        assert counted["reduce"] == plan["reduce"] == c["dedicated_bytes"] - c["frozen_bytes"], c
+        assert counted["broadcast"] == 2 * c["k"] * plan["broadcast"] == 2 * c["k"] * c["dedicated_bytes"], c
 
 
 def test_param_groups_and_policy_routes_train_like_one_process_and_resume(checks):
@@ -810,3 +832,28 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
     result = torchrun(DIST / "tp_dp_snippet.py", nproc=4, timeout=180, echo=False)
     diffs = [float(line.rsplit("=", 1)[1]) for line in result.stdout(0).splitlines() if line.startswith("step ")]
     assert len(diffs) == 3 and max(diffs) < TOLERANCE, result.stdout(0)
+    # The same launch, beyond the public example. One step (Z3, no micro-batches) as summarize_comm_plan plans it
+    # and count_comm counts it, on every rank: the broadcast twice (forward, backward), the reduce once, the TP
+    # gather and scatter as planned.
+    for rank in range(4):
+        [line] = [line for line in result.stdout(rank).splitlines() if line.startswith("plan ")]
+        plan = json.loads(line.removeprefix("plan "))
+        planned, counted = plan["planned"], plan["counted"]
+        assert counted["broadcast"] == 2 * planned["broadcast_tensor_bytes"] > 0, plan
+        assert counted["reduce"] == planned["stage1_shard_reduce_tensor_bytes"], plan
+        assert counted["gather"] == planned["tp_gather_tensor_bytes_this_rank"] > 0, plan
+        assert counted["scatter"] == planned["tp_scatter_tensor_bytes_this_rank"] > 0, plan
+        # the order check (per_step): the mesh's events went through the store until the first step checked them;
+        # after it no axis makes a round trip (the TP group's gathers and scatters, issued after the step's check,
+        # follow from the mesh's events; they used to go through the store at every step)
+        assert plan["round_trips_in_steps_1_to_3"][0] > 0 and plan["round_trips_in_step_4"] == [0, 0], plan
+    # param_groups, the Polar Express ns_backend, a hook boundary predicate and clip_grad_norm_ (the optimizer's
+    # form measuring the Muon gradients, the model's clipping every one to 1) on TP against one process with the
+    # same groups, coefficients and clipping, 2 steps: the same float32 reordering as above, and the norms' too
+    [line] = [line for line in result.stdout(0).splitlines() if line.startswith("api ")]
+    api = json.loads(line.removeprefix("api "))
+    assert api["max_abs_diff"] < TOLERANCE and api["largest_change"] > 1000 * TOLERANCE, api
+    assert all(muon < 1e-5 and full < 1e-5 and norm > 1.0 for muon, full, norm in api["norm_rel_diffs"]), api
+    assert api["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], api
+    assert api["units"] == ["layers.0", "layers.1"], api
+    assert api["round_trips_with_order_check_off"] == [0, 0], api  # order_check="off" reaches the TP group's too

@@ -150,6 +150,7 @@ class DMuonState:
     microbatch: int = 0
     tp_index: int = 0  # with tensor parallelism (tp.py): this rank's TP index, and the TP mesh dim's name
     tp_name: str | None = None
+    tp_order: CollectiveOrder | None = field(default=None, repr=False)  # the TP group's gathers and scatters
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
@@ -162,6 +163,12 @@ class DMuonState:
         self.replicas = self.replicate_mesh.size() if replicated else 1
         self.replicate_group = self.replicate_mesh.get_group() if replicated else None
         self.everyone = dist.group.WORLD if replicated else self.group  # a collective over every rank
+
+    @property
+    def orders(self) -> list[CollectiveOrder]:
+        """Every CollectiveOrder of this model: the mesh's, and the replicate axis's (HSDP) and the TP group's
+        where there are such; dmuon.Muon's order_check sets the mode of each."""
+        return [o for o in (self.order, self.replicate_order, self.tp_order) if o is not None]
 
     @staticmethod
     def owner_of(p: nn.Parameter) -> int:
@@ -694,6 +701,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                                    dist.get_process_group_ranks(tp_mesh.get_group()))
         state.tp_index = tp_mesh.get_local_rank()
         state.tp_name = tp_mesh.mesh_dim_names[0]
+        state.tp_order = tp_order
     fsdp_exclusion.install()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)

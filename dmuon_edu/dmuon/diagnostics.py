@@ -7,8 +7,16 @@ one owner. Bytes are planned as dmuon sends them: a matrix's broadcast in its co
 dtype (``bytes``), its gradient's reduce in its wire dtype (``reduce_bytes``), so that
 one optimizer step of Z2 with no_sync moves, as count_comm counts it, the sum of
 ``bytes`` in broadcasts and of ``reduce_bytes`` in reduces (Z3 broadcasts 2k times). A
-comm plan row's ``route`` is the matrix's policy's; ``summarize_param_groups`` reports
-the optimizer's, which a group's ``dmuon_route`` may have changed.
+frozen matrix (``requires_grad=False``) has no gradient: its ``reduce_bytes`` are 0. The
+DDP backend (ddp.py) broadcasts nothing before a forward: a row's ``bytes`` there are the
+post-step broadcast of the matrix from its owner, in the master's dtype, once per
+optimizer step whatever k (0 for a frozen matrix, which never changes). With tensor
+parallelism (tp.py) a row is the matrix's TP shard, and the totals add the step's TP
+gather of the gradient shards and scatter of the update, as count_comm counts them on
+this rank (``tp_gather_tensor_bytes_this_rank``, ``tp_scatter_tensor_bytes_this_rank``:
+the whole matrix on its TP owner, a shard on the others). A comm plan
+row's ``route`` is the matrix's policy's; ``summarize_param_groups`` reports the
+optimizer's, which a group's ``dmuon_route`` may have changed.
 The ring figures are the public project's estimates: 2 (N - 1) / N of a payload per rank.
 :func:`format_summary` prints either summary as text tables.
 """
@@ -85,10 +93,10 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, *
 def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_per_group: int = 128) -> dict[str, Any]:
     """dmuon's planned collectives on this rank: per unit, its owner buckets and each matrix's roots and bytes.
 
-    Call it after ``fully_shard`` (a mixed-precision policy decides the dtypes).
+    Call it after ``fully_shard`` (a mixed-precision policy decides the dtypes), or after ``replicate``.
 
     Args:
-        model: a model prepared with ``dedicate_params``.
+        model: a model prepared with ``dedicate_params`` or ``dedicate_params_ddp``.
         max_groups: at most this many units (``groups_truncated`` counts the rest).
         max_params_per_group: at most this many matrix rows per unit.
 
@@ -103,7 +111,14 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
                             "stage1_shard_reduce_ring_bytes_per_rank", "stage2_replicate_reduce_tensor_bytes_this_rank",
                             "post_step_replicate_broadcast_tensor_bytes_this_rank", "owner_update_ring_bytes_per_rank",
                             "same_payload_allreduce_ring_bytes_per_rank", "max_owner_bucket_bytes",
-                            "broadcast_tensor_bytes"), 0)
+                            "broadcast_tensor_bytes", "tp_gather_tensor_bytes_this_rank",
+                            "tp_scatter_tensor_bytes_this_rank"), 0)
+    for p in state.params.values():  # the DP owners of a TP-sharded matrix join its gather and scatter (tp.py)
+        tp = getattr(p, "_dmuon_tp", None)
+        if tp is not None and state.owns(p):
+            shard = p._dmuon_shape.numel() * _itemsize(p._dmuon_dtype)
+            for key in ("tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank"):
+                totals[key] += shard * tp.size if tp.index == tp.owner else shard
     ring = 2 * (state.world_size - 1) / state.world_size
     groups = []
     for index, unit in enumerate(state.units):
@@ -174,10 +189,17 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _sizes(state: DMuonState, unit: Unit, p: nn.Parameter) -> tuple[int, int]:
-    """(broadcast bytes, reduce bytes) of one matrix."""
+    """(broadcast bytes, reduce bytes) of one matrix, as dmuon sends them (the module docstring)."""
     n = p._dmuon_shape.numel()
-    return (n * torch.empty((), dtype=state.compute_dtype(unit, p)).element_size(),
-            n * torch.empty((), dtype=state.wire_dtype(unit, p)).element_size())
+    if state.holds_every_matrix:  # the DDP backend: only the post-step broadcast of a trainable matrix's master
+        broadcast = n * _itemsize(p._dmuon_dtype) if p.requires_grad else 0
+    else:
+        broadcast = n * _itemsize(state.compute_dtype(unit, p))
+    return broadcast, n * _itemsize(state.wire_dtype(unit, p)) if p.requires_grad else 0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -216,9 +216,8 @@ class Muon(torch.optim.Optimizer):
 
         self._dmuon.prefetch_depth = depth
         self.replicate_async = replicate_async
-        for order in (self._dmuon.order, self._dmuon.replicate_order):
-            if order is not None:
-                order.mode = order_check
+        for order in self._dmuon.orders:
+            order.mode = order_check
         steps = self._dmuon.steps
         muon_groups, adamw_groups = groups[0::2], groups[1::2]
         stepped = self._dmuon.stepped  # a TP-sharded matrix's owner steps a full-shape proxy (tp.py)
@@ -367,10 +366,10 @@ class Muon(torch.optim.Optimizer):
                     (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
                     + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
                 )
-        # The replicate axis's events (HSDP) follow from the shard axis's: they are checked with them.
-        for order in (state.order, state.replicate_order):
-            if order is not None:
-                order.step_checked()
+        # The replicate axis's events (HSDP) and the TP group's (the step's gathers and scatters of the same
+        # matrices on every rank) follow from the shard axis's: they are checked with them.
+        for order in state.orders:
+            order.step_checked()
         if bool(agreed[1]) and not state.clipped:
             warnings.warn(
                 "the FSDP2 gradients were scaled after the backward, but not the dedicated (Muon) ones: "

@@ -30,8 +30,9 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
   it into dmuon's message.
 - ``"off"``: nothing is checked or recorded.
 
-With HSDP the replicate axis has an order of its own per shard index, in the same mode;
-its events follow from the shard axis's, so the step's comparison covers them.
+With HSDP the replicate axis has an order of its own per shard index, and with tensor
+parallelism each TP group one (tp.py), in the same mode; their events follow from the
+shard axis's, so the step's comparison covers them.
 
 (fully_shard's own collectives for a layer run before dmuon's hooks and are not
 checked: a rank that skips a layer can time out in one of them, with FSDP2's message.)

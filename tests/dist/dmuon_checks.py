@@ -892,9 +892,18 @@ def check_frozen(mesh):
     ref.get_parameter(frozen).requires_grad_(False)
     before = ref.get_parameter(frozen).detach().clone()
     diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate))
-    report("frozen", max_abs_diff=diff, largest_change=moved, layer2_held_in_layer0_backward=per_rank(any(seen)),
-           looked=len(seen), frozen_change=(full_params(model)[frozen] - before).abs().max().item(),
-           storage_ok=all(per_rank(_storage_ok(model))))
+    frozen_change = (full_params(model)[frozen] - before).abs().max().item()
+    storage_ok, looked, held = all(per_rank(_storage_ok(model))), len(seen), per_rank(any(seen))
+    # One more window, counted: the frozen matrix is broadcast (its layer needs it) but never reduced, as planned.
+    mine, _, total = window(2, dist.get_rank(), dist.get_world_size())
+    with dmuon.count_comm() as counted:
+        train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0), mine, total,
+                     use_no_sync=True)
+    report("frozen", max_abs_diff=diff, largest_change=moved, layer2_held_in_layer0_backward=held,
+           looked=looked, frozen_change=frozen_change, storage_ok=storage_ok, k=K,
+           plan=per_rank(_planned_bytes(model)),
+           counted=per_rank({name: counted.bytes.get(name, 0) for name in ("broadcast", "reduce")}),
+           dedicated_bytes=dedicated_bytes(ref), frozen_bytes=ref.get_parameter(frozen).numel() * 4)
 
 
 def grouped(model):
@@ -964,16 +973,22 @@ def check_param_groups(mesh):
            continued_max_diff=continued, refusals=per_rank_outcomes(refusals))
 
 
+class PolarExpressMuon(muon.Muon):
+    """The reference of ns_backend=POLAR_EXPRESS: dmuon_edu.newton_schulz run directly with those coefficients."""
+
+    def _orthogonaliser(self, group):
+        return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS,
+                       dtype=group["ns_dtype"], gram_space=False)
+
+
+def polar_express():
+    return dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS)
+
+
 def check_ns_backend(mesh):
     """ns_backend=NewtonSchulz("direct", coefficients=POLAR_EXPRESS_COEFFICIENTS) against one process running
     dmuon_edu.newton_schulz directly with those coefficients."""
-    class PolarExpressMuon(muon.Muon):
-        def _orthogonaliser(self, group):
-            return partial(newton_schulz, steps=group["ns_steps"], coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS,
-                           dtype=group["ns_dtype"], gram_space=False)
-
-    backend = dmuon.NewtonSchulz("direct", coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS)
-    model, opt = build(mesh, zero3=True, muon_kwargs={"ns_backend": backend})
+    model, opt = build(mesh, zero3=True, muon_kwargs={"ns_backend": polar_express()})
     torch.manual_seed(0)
     ref = Net()
     diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate, PolarExpressMuon))
@@ -1086,6 +1101,7 @@ def check_order_modes(mesh):
 
 # ------------------------------------------------------------------ the DDP backend (dedicate_params_ddp)
 DDP_ROUTED = "layers.0.k_proj.weight"  # routed to AdamW by param_policy: its owner steps it with AdamW
+DDP_FROZEN = "layers.2.down_proj.weight"  # requires_grad=False: never reduced, never broadcast
 
 
 def _initial_model():
@@ -1093,12 +1109,12 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, **dedicate_kwargs):
+def build_ddp(mesh, seed=0, muon_kwargs=None, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net().to(mesh.device_type)
     dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
     dmuon.replicate(model, mesh)
-    return model, muon_of(model)
+    return model, muon_of(model, **(muon_kwargs or {}))
 
 
 def replicated_muon_step(ddp, optimizers, mine, total, use_no_sync):
@@ -1150,8 +1166,9 @@ def check_ddp(mesh):
                                                    for n, p in peer.module.named_parameters()))
         moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
         matrices = [p for p in model._dmuon.params.values()]
+        plan = per_rank(_planned_bytes(model))
         report(f"ddp_{label}", max_abs_diff=max_diff, max_abs_diff_to_ddp_replicated_muon=max_peer_diff,
-               largest_change=moved, k=K, dedicated_bytes=dedicated_bytes(ref),
+               largest_change=moved, k=K, dedicated_bytes=dedicated_bytes(ref), plan=plan,
                replicated_bytes=sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
                                     if not predicate(n, p)),
                per_rank=per_rank(comm), peer_per_rank=per_rank(peer_comm),
@@ -1175,15 +1192,56 @@ def check_ddp(mesh):
     dmuon.set_optimizer_state_dict(fresh, fresh_opt, state)
     resumed = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched))
 
-    # param_policy (one matrix routed to AdamW) and a hook boundary predicate, against one process.
+    # param_policy (one matrix routed to AdamW), a hook boundary predicate, param_groups and the Polar Express
+    # ns_backend, against one process with the same groups and coefficients.
     policy = {"overrides": [{"name": DDP_ROUTED.removesuffix(".weight"), "set": {"route": "adamw"}}]}
-    model, opt = build_ddp(mesh, param_policy=policy, hook_boundary_predicate=lambda m: isinstance(m, Block))
+    torch.manual_seed(0)
+    model = Net().to(mesh.device_type)
+    dmuon.dedicate_params_ddp(model, mesh, predicate, param_policy=policy,
+                              hook_boundary_predicate=lambda m: isinstance(m, Block))
+    dmuon.replicate(model, mesh)
+    opt = muon_of(model, param_groups=grouped(model), ns_backend=polar_express())
     torch.manual_seed(0)
     ref = Net()
-    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(
-        ref, lambda n, p: predicate(n, p) and n != DDP_ROUTED))
+    on_muon = lambda n, p: predicate(n, p) and n != DDP_ROUTED  # noqa: E731
+    named = dict(ref.named_parameters())
+    diff, moved = train_side_by_side(model, opt, ref, [
+        PolarExpressMuon([p for n, p in named.items() if on_muon(n, p)], **{**HYPER, "lr": 0.01},
+                         ns_dtype=torch.float32),
+        torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
+                           {"params": [p for n, p in named.items() if p.ndim == 2 and not on_muon(n, p)], "lr": 5e-3}],
+                          **ADAMW)])
     report("ddp_resume_and_policy", max_abs_diff_after_resume=resumed, policy_max_abs_diff=diff,
-           policy_largest_change=moved, units=[u.path for u in model._dmuon.units])
+           policy_largest_change=moved, units=[u.path for u in model._dmuon.units],
+           groups=[g["group_name"] for g in opt.param_groups])
+
+    # compute_dtype (the public positional order) and a frozen matrix: the matrices compute in bf16, their masters
+    # stay float32, and summarize_comm_plan plans what count_comm counts in a window (no broadcast before a
+    # forward; after the step, the trainable masters in float32).
+    torch.manual_seed(0)
+    model = Net().to(mesh.device_type)
+    model.get_parameter(DDP_FROZEN).requires_grad_(False)
+    dmuon.dedicate_params_ddp(model, mesh, predicate, torch.bfloat16)
+    dmuon.replicate(model, mesh)
+    opt = muon_of(model)
+    seen = []
+    model.layers[0].q_proj.register_forward_pre_hook(lambda m, _args: seen.append(str(m.weight.dtype)))
+    mine, _, total = window(0, rank, world)
+    with dmuon.count_comm() as counted:
+        train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), mine, total, use_no_sync=True,
+                     autocast=True)
+    frozen_bytes = model.get_parameter(DDP_FROZEN).numel() * 4
+    report("ddp_compute_dtype_and_frozen", plan=per_rank(_planned_bytes(model)),
+           counted=per_rank({name: counted.bytes.get(name, 0) for name in ("broadcast", "reduce")}),
+           trainable_bytes=dedicated_bytes(_initial_model()) - frozen_bytes,
+           forward_dtypes=sorted(set(seen)), master_dtypes=sorted({str(p._dmuon_master.dtype)
+                                                                    for p in model._dmuon.params.values()}))
+
+
+def _planned_bytes(model):
+    """summarize_comm_plan's planned broadcast and reduce bytes of one pass (this rank's)."""
+    totals = dmuon.summarize_comm_plan(model)["totals"]
+    return {"broadcast": totals["broadcast_tensor_bytes"], "reduce": totals["stage1_shard_reduce_tensor_bytes"]}
 
 
 def main():
