@@ -258,6 +258,10 @@ CASES = [
     ("train_step/targets_a_list", lambda: linear_step([(X, X.tolist())]), TypeError,
      "the targets of microbatch 0 are a list of length 3 of numbers, not a tensor: pass torch.tensor(targets)"),
     ("train_step/inputs_a_list", lambda: linear_step([(X.tolist(), X)]), TypeError, "pass torch.tensor(inputs)"),
+    ("train_step/targets_a_numpy_array", lambda: linear_step([(X, X.numpy())]), TypeError,
+     "the targets of microbatch 0 are a numpy.ndarray of shape (3, 2), not a tensor: pass torch.as_tensor(targets)"),
+    ("train_step/targets_a_number", lambda: linear_step([(X, 3)]), TypeError,
+     "the targets of microbatch 0 are the number 3, not a tensor: pass torch.tensor(targets)"),
     ("accumulation_windows/batches_none", lambda: dmuon_edu.accumulation_windows(None, 2), TypeError,
      "batches must be an iterable, got None; pass a list of micro-batches or a DataLoader"),
     ("train/loader_none", lambda: own_train(None), TypeError, "loader must be an iterable, got None"),
@@ -623,6 +627,7 @@ def refused_dmuon_optimizer_load(mesh):
 UNCHANGED = [
     ("train_step/loss_without_grad", lambda: refused_step(loss_fn=lambda p, t: F.mse_loss(p.detach(), t))),
     ("train_step/targets_a_list", lambda: refused_step(microbatches=[(X, X.tolist())])),
+    ("train_step/targets_a_numpy_array", lambda: refused_step(microbatches=[(X, X.numpy())])),
     ("train_step/scaler_not_a_grad_scaler", lambda: refused_step(scaler="yes")),
     ("train_step/meta_inputs", lambda: refused_step(microbatches=[(X.to("meta"), X)])),
     ("train_step/optimizer_of_another_model", refused_step_of_another_model),
