@@ -104,6 +104,8 @@ AUDIT = {
     "summed_token_loss with float targets": (CLEAR_ERROR, f"{BAD_INPUT}[summed_token_loss/float_targets]"),
     "a refused window changes no weight and no optimizer state": (
         CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[train_step/loss_without_grad]"),
+    "a window refused at a later micro-batch, after an earlier backward, changes no weight or optimizer state": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[train_step/inputs_of_another_dtype_in_a_later_microbatch]"),
     # Part 2. Unclear, Newton-Schulz and Muon:
     "newton_schulz of a Parameter that requires grad": (
         CORRECT, "test_bad_input::test_newton_schulz_of_a_parameter_that_requires_grad_is_that_of_its_values"),

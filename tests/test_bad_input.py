@@ -632,6 +632,10 @@ UNCHANGED = [
     ("train_step/meta_inputs", lambda: refused_step(microbatches=[(X.to("meta"), X)])),
     ("train_step/optimizer_of_another_model", refused_step_of_another_model),
     ("train_step/fp16_model_fp32_inputs", refused_fp16_forward),
+    # found at micro-batch 1's forward, after micro-batch 0's backward: the gradients hold some of the
+    # window, the weights and the optimizer state nothing of it
+    ("train_step/inputs_of_another_dtype_in_a_later_microbatch",
+     lambda: refused_step(microbatches=[(X, X), (X.double(), X)])),
     ("muon/float64_gradient_on_float32_parameter", refused_muon_step),
     ("muon/load_a_momentum_buffer_of_another_shape", refused_muon_load),
     ("newton_schulz/overwrite_an_expanded_input", refused_overwrite),
