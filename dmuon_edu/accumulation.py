@@ -516,8 +516,15 @@ def _sample_counts(microbatches: Sequence[Microbatch]) -> list[int]:
         inputs, targets = microbatch
         for name, value in (("inputs", inputs), ("targets", targets)):
             if _numbers_only(value):
-                raise TypeError(f"the {name} of microbatch {index} are {describe(value)} of numbers, not a tensor: "
+                what = f"{describe(value)} of numbers" if isinstance(value, (list, tuple)) else f"the number {value!r}"
+                raise TypeError(f"the {name} of microbatch {index} are {what}, not a tensor: "
                                 f"pass torch.tensor({name}) (on the model's device)")
+            # A numpy (or other) array would reach the loss, whose torch code fails on it with words such as
+            # "'int' object is not callable" (an array's size is an int, a tensor's a method).
+            if hasattr(value, "__array__") and not isinstance(value, torch.Tensor):
+                kind = f"{type(value).__module__}.{type(value).__name__}"
+                raise TypeError(f"the {name} of microbatch {index} are a {kind} of shape {tuple(value.shape)}, not a "
+                                f"tensor: pass torch.as_tensor({name}) (on the model's device)")
             if isinstance(value, torch.Tensor) and value.is_meta:
                 raise ValueError(f"the {name} of microbatch {index} are on the meta device, which holds no values: "
                                  "pass real tensors")

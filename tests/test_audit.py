@@ -98,9 +98,14 @@ AUDIT = {
     "a meta-device model (a 22-frame traceback)": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/meta_model]"),
     "a Python list as targets fails inside torch's loss": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/targets_a_list]"),
     "a Python list as inputs fails inside the model": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/inputs_a_list]"),
+    "a numpy array as targets fails inside torch's loss ('int' object is not callable)": (
+        CLEAR_ERROR, f"{BAD_INPUT}[train_step/targets_a_numpy_array]"),
+    "a bare number as targets is called 'an int of numbers'": (CLEAR_ERROR, f"{BAD_INPUT}[train_step/targets_a_number]"),
     "summed_token_loss with float targets": (CLEAR_ERROR, f"{BAD_INPUT}[summed_token_loss/float_targets]"),
     "a refused window changes no weight and no optimizer state": (
         CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[train_step/loss_without_grad]"),
+    "a window refused at a later micro-batch, after an earlier backward, changes no weight or optimizer state": (
+        CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[train_step/inputs_of_another_dtype_in_a_later_microbatch]"),
     # Part 2. Unclear, Newton-Schulz and Muon:
     "newton_schulz of a Parameter that requires grad": (
         CORRECT, "test_bad_input::test_newton_schulz_of_a_parameter_that_requires_grad_is_that_of_its_values"),

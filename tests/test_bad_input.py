@@ -258,6 +258,10 @@ CASES = [
     ("train_step/targets_a_list", lambda: linear_step([(X, X.tolist())]), TypeError,
      "the targets of microbatch 0 are a list of length 3 of numbers, not a tensor: pass torch.tensor(targets)"),
     ("train_step/inputs_a_list", lambda: linear_step([(X.tolist(), X)]), TypeError, "pass torch.tensor(inputs)"),
+    ("train_step/targets_a_numpy_array", lambda: linear_step([(X, X.numpy())]), TypeError,
+     "the targets of microbatch 0 are a numpy.ndarray of shape (3, 2), not a tensor: pass torch.as_tensor(targets)"),
+    ("train_step/targets_a_number", lambda: linear_step([(X, 3)]), TypeError,
+     "the targets of microbatch 0 are the number 3, not a tensor: pass torch.tensor(targets)"),
     ("accumulation_windows/batches_none", lambda: dmuon_edu.accumulation_windows(None, 2), TypeError,
      "batches must be an iterable, got None; pass a list of micro-batches or a DataLoader"),
     ("train/loader_none", lambda: own_train(None), TypeError, "loader must be an iterable, got None"),
@@ -623,10 +627,15 @@ def refused_dmuon_optimizer_load(mesh):
 UNCHANGED = [
     ("train_step/loss_without_grad", lambda: refused_step(loss_fn=lambda p, t: F.mse_loss(p.detach(), t))),
     ("train_step/targets_a_list", lambda: refused_step(microbatches=[(X, X.tolist())])),
+    ("train_step/targets_a_numpy_array", lambda: refused_step(microbatches=[(X, X.numpy())])),
     ("train_step/scaler_not_a_grad_scaler", lambda: refused_step(scaler="yes")),
     ("train_step/meta_inputs", lambda: refused_step(microbatches=[(X.to("meta"), X)])),
     ("train_step/optimizer_of_another_model", refused_step_of_another_model),
     ("train_step/fp16_model_fp32_inputs", refused_fp16_forward),
+    # found at micro-batch 1's forward, after micro-batch 0's backward: the gradients hold some of the
+    # window, the weights and the optimizer state nothing of it
+    ("train_step/inputs_of_another_dtype_in_a_later_microbatch",
+     lambda: refused_step(microbatches=[(X, X), (X.double(), X)])),
     ("muon/float64_gradient_on_float32_parameter", refused_muon_step),
     ("muon/load_a_momentum_buffer_of_another_shape", refused_muon_load),
     ("newton_schulz/overwrite_an_expanded_input", refused_overwrite),
