@@ -623,7 +623,7 @@ def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(chec
     assert c["looked"] == 6 and c["layer2_held_in_layer0_backward"] == [False] * c["nproc"], c
     assert c["frozen_change"] == 0.0 and c["storage_ok"], c
     assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
-    # one window of Z3 with no_sync: the frozen matrix is broadcast 2k times like the others but never reduced,
+    # one window of Z3 with no_sync: the frozen matrix is broadcast 2N times (N micro-batches) like the others but never reduced,
     # and summarize_comm_plan plans exactly that
     for plan, counted in zip(c["plan"], c["counted"]):
         assert counted["reduce"] == plan["reduce"] == c["dedicated_bytes"] - c["frozen_bytes"], c

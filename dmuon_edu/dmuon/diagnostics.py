@@ -10,7 +10,7 @@ one optimizer step of Z2 with no_sync moves, as count_comm counts it, the sum of
 frozen matrix (``requires_grad=False``) has no gradient: its ``reduce_bytes`` are 0. The
 DDP backend (ddp.py) broadcasts nothing before a forward: a row's ``bytes`` there are the
 post-step broadcast of the matrix from its owner, in the master's dtype, once per
-optimizer step whatever k (0 for a frozen matrix, which never changes). With tensor
+optimizer step, however many micro-batches (0 for a frozen matrix, which never changes). With tensor
 parallelism (tp.py) a row is the matrix's TP shard, and the totals add the step's TP
 gather of the gradient shards and scatter of the update, as count_comm counts them on
 this rank (``tp_gather_tensor_bytes_this_rank``, ``tp_scatter_tensor_bytes_this_rank``:
@@ -116,7 +116,7 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
     for p in state.params.values():  # the DP owners of a TP-sharded matrix join its gather and scatter (tp.py)
         tp = getattr(p, "_dmuon_tp", None)
         if tp is not None and state.owns(p):
-            shard = p._dmuon_shape.numel() * _itemsize(p._dmuon_dtype)
+            shard = p._dmuon_shape.numel() * p._dmuon_dtype.itemsize
             for key in ("tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank"):
                 totals[key] += shard * tp.size if tp.index == tp.owner else shard
     ring = 2 * (state.world_size - 1) / state.world_size
@@ -192,14 +192,11 @@ def _sizes(state: DMuonState, unit: Unit, p: nn.Parameter) -> tuple[int, int]:
     """(broadcast bytes, reduce bytes) of one matrix, as dmuon sends them (the module docstring)."""
     n = p._dmuon_shape.numel()
     if state.holds_every_matrix:  # the DDP backend: only the post-step broadcast of a trainable matrix's master
-        broadcast = n * _itemsize(p._dmuon_dtype) if p.requires_grad else 0
+        broadcast = n * p._dmuon_dtype.itemsize if p.requires_grad else 0
     else:
-        broadcast = n * _itemsize(state.compute_dtype(unit, p))
-    return broadcast, n * _itemsize(state.wire_dtype(unit, p)) if p.requires_grad else 0
+        broadcast = n * state.compute_dtype(unit, p).itemsize
+    return broadcast, n * state.wire_dtype(unit, p).itemsize if p.requires_grad else 0
 
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
