@@ -117,6 +117,8 @@ class Muon(torch.optim.Optimizer):
     - Runs on any device torch runs on; with CUDA tensors the products run on the GPU.
     """
 
+    refuses_empty_groups = True
+
     def __init__(
         self,
         params,
@@ -150,6 +152,9 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon got an empty list of parameters: pass the model's hidden matrices, e.g. "
                                  "muon_param_groups(model)[0] (a model that has none needs no Muon)")
         super().__init__(params, defaults)
+        if self.refuses_empty_groups and not any(group["params"] for group in self.param_groups):
+            raise ValueError("Muon got parameter groups that are all empty: give at least one group the model's "
+                             "hidden matrices, e.g. [{'params': muon_param_groups(model)[0]}]")
 
     def add_param_group(self, param_group: dict) -> None:
         # Checked before the group is added, so that a rejected group leaves no trace.
@@ -393,10 +398,12 @@ def check_hyperparameters(h: dict) -> None:
             is 1 or more (the decay factor 1 - lr * weight_decay would zero or flip the
             weights at every step).
     """
+    usual = {"lr": "lr=0.02", "momentum": "momentum=0.95", "weight_decay": "weight_decay=0.1 (0 for none)"}
+
     def number(name):
         v = h[name]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            raise TypeError(f"{name} must be a number, got {describe(v)}; pass e.g. {usual[name]}")
         return v
 
     # Each range is written "not (in range)": NaN fails every comparison, so it is refused too.

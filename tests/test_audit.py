@@ -121,6 +121,7 @@ AUDIT = {
     "a refused Muon step leaves every parameter and the state as they were": (
         CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[muon/float64_gradient_on_float32_parameter]"),
     "Muon([])": (CLEAR_ERROR, f"{BAD_INPUT}[muon/empty_parameter_list]"),
+    "Muon([{'params': []}])": (CLEAR_ERROR, f"{BAD_INPUT}[muon/empty_parameter_groups]"),
     "Muon(model), a model where its parameters are expected": (
         CLEAR_ERROR, f"{BAD_INPUT}[muon/a_model_instead_of_its_parameters]"),
     "muon_param_groups of a list, a list where a model is expected": (CLEAR_ERROR, f"{BAD_INPUT}[muon_param_groups/a_list]"),
@@ -159,8 +160,8 @@ AUDIT = {
     # Part 2. Got worse since the first round:
     "a rank silent inside a reduce: the error names only the waiting rank ('pair closure')": (
         CLEAR_ERROR, "test_bad_input::test_a_timeout_that_closed_the_connection_names_the_silent_rank"),
-    "a rank silent inside a reduce, on two ranks": (
-        CLEAR_ERROR, "test_dmuon::test_a_rank_silent_in_a_reduce_is_named_as_such_by_the_launcher"),
+    "a rank silent inside a reduce, on two ranks, through the launcher": (
+        CLEAR_ERROR, "test_reliability::test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout[silent_in_reduce]"),
     "a checkpoint of the older save is said not to be checkpoint.save's": (
         CORRECT, "test_bad_input::test_a_checkpoint_of_the_older_save_loads_with_a_warning_and_latest_says_why_it_passes_over_it"),
     "ranks with different numbers of micro-batches end at the collective timeout, unnamed": (

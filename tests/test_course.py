@@ -398,6 +398,15 @@ def test_no_exercise_is_reported_and_exits_1(tmp_path, capsys):
     assert "01_notes  (notebook)  no exercise" in out and "0 of 0 exercises passed" in out
 
 
+def test_an_unknown_module_is_refused_naming_the_modules_there(tmp_path, monkeypatch):
+    for name in ("01_loss.ipynb", "02_zero_grad.ipynb"):
+        _notebook(tmp_path / name, "print('no check here')")
+    monkeypatch.setattr(cli, "NOTEBOOKS", tmp_path)
+    with pytest.raises(SystemExit, match=r"starts with 'nope': name a module by its number \(01, 02\), e.g. "
+                                         r"`python -m dmuon_edu check 01`, or no name to grade them all"):
+        cli.main(["check", "nope"])
+
+
 @pytest.mark.parametrize("timeout", ["0", "inf"])
 def test_the_cell_timeout_must_be_positive_and_finite(capsys, timeout):
     with pytest.raises(SystemExit):

@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     notebooks, scripts = selection(args.selector)
     if not notebooks and not scripts:
-        raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}")
+        modules = sorted({path.name[:2] for path in NOTEBOOKS.glob("[0-9][0-9]*.ipynb")})
+        raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}: name a module by its number "
+                         f"({', '.join(modules)}), e.g. `python -m dmuon_edu check 01`, or no name to grade them all")
     statuses = [status for path in notebooks for status in grade(path, args.cell_timeout)]
     statuses += [grade_script(path) for path in scripts]
     print(format_table(statuses))

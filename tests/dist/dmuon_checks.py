@@ -627,7 +627,7 @@ def check_schedule(mesh):
 def check_divergence():
     """A rank that skips a layer: in Z3 the forward's broadcasts diverge, in Z2 (resident) the
     backward's reduces. Every rank raises, naming the layers and the ranks. Then ranks with windows
-    of different lengths, and a rank that stops answering in a reduce."""
+    of different lengths (a rank that stops answering in a reduce: tests/dist/reliability_faults.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     outcome = {}
     for zero3, dropped_in in ((True, 0), (False, 1)):
@@ -644,7 +644,6 @@ def check_divergence():
         outcome["z3" if zero3 else "z2"] = error_of(train)
         distributed.barrier()
     outcome["uneven_windows"] = uneven_windows(rank)
-    outcome["silent_in_reduce"] = silent_in_reduce(rank)
     report("divergence", **per_rank_outcomes(outcome))
 
 
@@ -669,37 +668,6 @@ def uneven_windows(rank):
     error = error_of(train)
     distributed.barrier()
     return error
-
-
-def silent_in_reduce(rank):
-    """Rank 1 stops answering in its backward, after some of its reduces are issued; rank 0's error is what
-    the launcher must name as a collective timeout, with rank 1 as the silent one. Rank 1 then leaves the
-    broken group alone (its backward ends with an exception of its own)."""
-    model, _ = build(short_timeout_mesh(), zero3=True)
-    mine, _, _ = window(0, rank, dist.get_world_size())
-    store, key = dist.distributed_c10d._get_default_store(), "silent_in_reduce/rank0_done"
-
-    def stop_answering(_):
-        if rank == 1:
-            store.wait([key], datetime.timedelta(seconds=60))
-            raise SilentRankStopped()
-
-    model.layers[0].down_proj.weight.register_post_accumulate_grad_hook(stop_answering)
-    error = None
-    try:
-        F.mse_loss(model(mine[0][0]), mine[0][1]).backward()
-    except SilentRankStopped:
-        pass
-    except RuntimeError as raised:
-        error = f"{type(raised).__name__}: {raised}"
-    if rank == 0:
-        store.set(key, "1")
-    distributed.barrier()
-    return error
-
-
-class SilentRankStopped(Exception):
-    """How the silent rank of silent_in_reduce leaves its backward."""
 
 
 def per_rank_outcomes(outcome):

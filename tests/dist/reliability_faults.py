@@ -1,6 +1,6 @@
 """A fault injected into rank 1 in the middle of dmuon training (tests/test_reliability.py).
 
-    torchrun --nproc-per-node=2 tests/dist/reliability_faults.py raise|silent STAMP_FILE
+    torchrun --nproc-per-node=2 tests/dist/reliability_faults.py raise|silent|silent_in_reduce STAMP_FILE
 
 - ``raise``: in the second optimizer step, rank 1 raises inside a layer's forward while
   rank 0 goes on into that layer's broadcast. The job must end quickly, non-zero, and
@@ -8,6 +8,9 @@
 - ``silent``: in the second step rank 1 stops answering (it sleeps instead of joining
   the broadcast). Rank 0's collective times out after TIMEOUT_S (session(timeout_s=...))
   and the launcher says so, naming the silent rank.
+- ``silent_in_reduce``: the same in the second step's backward, after the reduces of the
+  later layers are issued: rank 0 waits in a reduce (gloo often reports another of its
+  waits, "Application timeout caused pair closure"), and the launcher names rank 1.
 
 Just before the fault rank 1 writes time.time() to STAMP_FILE, so that the test can
 measure how long the job takes to end after the fault (not counting start-up).
@@ -20,7 +23,7 @@ from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_edu import distributed
-from reliability_resume import build, train_step
+from reliability_resume import MICRO, build, train_step
 
 TIMEOUT_S = 5
 FAULT_STEP = 1
@@ -40,7 +43,18 @@ def main():
                     raise ValueError("injected failure on rank 1 in the middle of step 1")
                 time.sleep(600)  # stops answering: never reaches the broadcast rank 0 waits in
 
-        model.layers[1].register_forward_pre_hook(inject, prepend=True)  # before dmuon's broadcast hook
+        if fault == "silent_in_reduce":
+            backwards = []
+
+            def in_the_reducing_backward(_):  # the step's last micro-batch, outside no_sync
+                backwards.append(state["step"])
+                if backwards.count(state["step"]) == MICRO:
+                    inject(None, None)
+
+            # The first layer's matrix: its gradient is among the backward's last, after the later layers' reduces.
+            model.layers[0].down_proj.weight.register_post_accumulate_grad_hook(in_the_reducing_backward)
+        else:
+            model.layers[1].register_forward_pre_hook(inject, prepend=True)  # before dmuon's broadcast hook
         for step in range(3):
             state["step"] = step
             train_step(model, opt, sched, step)
