@@ -85,6 +85,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .arguments import require_real
+
 __all__ = [
     "newton_schulz",
     "fast_dtype",
@@ -298,8 +300,7 @@ def newton_schulz(
     """
     check_ns_steps(steps, "steps")
     check_ns_dtype(dtype, "dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}; 1e-7 is the usual value")
+    require_real("eps", eps, positive=False, hint="1e-7 is the usual value")
     per_step = _per_step_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
