@@ -482,22 +482,34 @@ def _entropy(p):
     return -(p * p.clamp_min(1e-300).log()).sum(dim=-1)
 
 
-def _pairs(source):
-    return source.stationary().reshape(source.vocab_size, source.vocab_size)
+def _first_tokens(source, t):
+    """H(X_0, ..., X_t): the stationary joint of a sequence's first t + 1 tokens, from pi over contexts."""
+    pi, vocab = source.stationary(), source.vocab_size
+    return _entropy(pi.reshape(vocab ** (t + 1), -1).sum(dim=1))
+
+
+def _early(source, seq_len):
+    """H(X_t+1 | X_0 ... X_t) of the predictions that have seen fewer than k tokens."""
+    return [_first_tokens(source, t + 1) - _first_tokens(source, t) for t in range(min(source.order - 1, seq_len))]
+
+
+def _rate(source):
+    return source.stationary() @ _entropy(source.rows())
 
 
 def floor_correct(source, seq_len):
-    rate = source.stationary() @ _entropy(source.rows())
-    pairs = _pairs(source)
-    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
-    return float((first + (seq_len - 1) * rate) / seq_len)
+    early = _early(source, seq_len)
+    return float((sum(early) + (seq_len - len(early)) * _rate(source)) / seq_len)
 
 
-def floor_by_weighted_conditionals(source, seq_len):  # the same floor by another route: sum_a pi(a) H(X_1 | X_0 = a)
-    pairs = _pairs(source)
-    marginal = pairs.sum(dim=1)
-    first = marginal @ _entropy(pairs / marginal[:, None])
-    return float((first + (seq_len - 1) * source.entropy_rate()) / seq_len)
+def floor_by_weighted_conditionals(source, seq_len):  # another route: sum over contexts u of P(u) H(next | u)
+    vocab, floors = source.vocab_size, []
+    pi = source.stationary()
+    for t in range(min(source.order - 1, seq_len)):
+        joint = pi.reshape(vocab ** (t + 2), -1).sum(dim=1).reshape(vocab ** (t + 1), vocab)  # (X_0..X_t, X_t+1)
+        context = joint.sum(dim=1)
+        floors.append(context @ _entropy(joint / context[:, None]))
+    return float((sum(floors) + (seq_len - len(floors)) * source.entropy_rate()) / seq_len)
 
 
 def floor_entropy_rate(source, seq_len):
@@ -505,29 +517,30 @@ def floor_entropy_rate(source, seq_len):
 
 
 def floor_uniform_contexts(source, seq_len):
-    pairs = _pairs(source)
-    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
-    return float((first + (seq_len - 1) * _entropy(source.rows()).mean()) / seq_len)
+    early = _early(source, seq_len)
+    return float((sum(early) + (seq_len - len(early)) * _entropy(source.rows()).mean()) / seq_len)
 
 
 def floor_uniform_rows_only(source, seq_len):
     return float(_entropy(source.rows()).mean())
 
 
-def floor_first_without_context(source, seq_len):
-    first = _entropy(_pairs(source).sum(dim=1))
-    return float((first + (seq_len - 1) * source.entropy_rate()) / seq_len)
+def floor_early_without_context(source, seq_len):
+    early = [_first_tokens(source, 0)] * (source.order - 1)
+    return float((sum(early) + (seq_len - len(early)) * _rate(source)) / seq_len)
+
+
+def floor_of_an_order_2_source(source, seq_len):  # the old capstone's formula: only the first prediction early
+    return float((_early(source, seq_len)[0] + (seq_len - 1) * _rate(source)) / seq_len)
 
 
 def floor_bigram(source, seq_len):
-    pairs = _pairs(source)
-    return float(_entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1)))
+    return float(_early(source, seq_len)[0])
 
 
 def floor_seq_len_plus_one(source, seq_len):
-    pairs = _pairs(source)
-    first = _entropy(pairs.flatten()) - _entropy(pairs.sum(dim=1))
-    return float((first + seq_len * source.entropy_rate()) / (seq_len + 1))
+    early = _early(source, seq_len)
+    return float((sum(early) + (seq_len + 1 - len(early)) * _rate(source)) / (seq_len + 1))
 
 
 def floor_in_bits(source, seq_len):
@@ -543,19 +556,48 @@ def floor_stub(source, seq_len):
     [
         (floor_correct, "PASS", "the floor of 32 predictions"),
         (floor_by_weighted_conditionals, "PASS", "the floor of 32 predictions"),
-        (floor_entropy_rate, "FAIL", "you returned the entropy rate"),
-        (floor_uniform_contexts, "FAIL", "weighted every context equally"),
-        (floor_uniform_rows_only, "FAIL", "equal weights and left out the first prediction"),
-        (floor_first_without_context, "FAIL", "no context at all"),
+        (floor_entropy_rate, "FAIL", "you returned the entropy rate for every prediction"),
+        (floor_uniform_contexts, "FAIL", "weighted every context's row equally"),
+        (floor_uniform_rows_only, "FAIL", "equal weights, for every prediction"),
+        (floor_early_without_context, "FAIL", "use no context at all"),
+        (floor_of_an_order_2_source, "FAIL", "as in an order-2 source"),
         (floor_bigram, "FAIL", "a bigram's floor"),
         (floor_seq_len_plus_one, "FAIL", "seq_len + 1 predictions"),
         (floor_in_bits, "FAIL", "in bits"),
         (lambda source, seq_len: 1.0, "FAIL", "from the true one"),
+        (lambda source, seq_len: float(source.position_floors(seq_len).mean()), "FAIL",
+         "you called source.position_floors, which is the answer"),
+        (lambda source, seq_len: float(sum(_entropy(j.flatten()) for j in source.leading_joints())), "FAIL",
+         "you called source.leading_joints"),
         (floor_stub, "TODO", "not attempted"),
     ],
 )
 def test_loss_floor_verdicts(candidate, status, hint):
     result = run_check("loss_floor", candidate)
     assert result.status == status and hint in result.message, str(result)
-    if status == "FAIL" and hint != "from the true one":  # every named mistake says what it costs
-        assert re.search(r"off by \d\.\d{3} nats", result.message), str(result)
+    if status == "FAIL" and hint not in ("from the true one",) and "you called" not in hint:
+        assert re.search(r"off by \d\.\d{3} nats", result.message), str(result)  # every named mistake says what it costs
+
+
+def test_every_named_floor_mistake_has_its_own_hint():
+    hints = [run_check("loss_floor", c).message.split(" (off by")[0] for c in (
+        floor_entropy_rate, floor_uniform_contexts, floor_uniform_rows_only, floor_early_without_context,
+        floor_of_an_order_2_source, floor_bigram, floor_seq_len_plus_one, floor_in_bits)]
+    assert len(set(hints)) == len(hints), hints
+
+
+def _package_functions():
+    import dmuon_edu
+    from dmuon_edu import accumulation
+    from dmuon_edu.course import gpt
+    return [("train_step_with_accumulation", dmuon_edu.train_step_with_accumulation, "the package's own"),
+            ("accumulation_windows", accumulation.accumulation_windows, "the package's own"),
+            ("summed_token_loss", accumulation.summed_token_loss, "the package's own"),
+            ("train_epoch", accumulation.train, "the package's own"),
+            ("is_hidden_matrix", gpt.is_hidden_matrix, "the package's own is_hidden_matrix")]
+
+
+@pytest.mark.parametrize("exercise, function, hint", _package_functions())
+def test_the_packages_own_function_does_not_pass_its_exercise(exercise, function, hint):
+    result = run_check(exercise, function)
+    assert result.status == "FAIL" and hint in result.message, str(result)

@@ -1,4 +1,4 @@
-"""Module 7, the capstone: a small GPT on second-order Markov text, trained with AdamW, Muon and dmuon (Z2, Z3).
+"""Module 7, the capstone: a small GPT on a noisy copy task, trained with AdamW, Muon and dmuon (Z2, Z3).
 
 Every run sees the same global batches: ``steps`` optimizer steps of ``accum_steps``
 micro-batches of ``global_microbatch`` sequences. A single process takes each
@@ -8,11 +8,11 @@ corrected where the guide drops a leftover window (see :func:`train`): every
 micro-batch but the last of a window runs inside ``dmuon.no_sync(model)`` (none on one
 process), each loss divided by its window's length, then ``step`` and ``zero_grad``.
 
-The text comes from :class:`dmuon_edu.course.data.MarkovSource` of order 2: each token
-depends on the two before it, so a model must attend to more than the previous token.
-Its floor, the lowest mean loss any model can reach on these sequences, is computed
-exactly from the transition table (:meth:`Capstone.floor`). The held-out loss is
-measured on ``eval_sequences`` fresh sequences, the same for every run.
+The problem (:mod:`dmuon_edu.course.capstone_problem`): text from a Markov source of
+order 3 in which each token mostly repeats the one three before it, so a model must
+attend three tokens back. Its floor, the lowest mean loss any model can reach on these
+sequences, is computed exactly from the transition table (:meth:`Capstone.floor`). The
+held-out loss is measured on ``eval_sequences`` fresh sequences, the same for every run.
 
 One process (in a notebook)::
 
@@ -49,16 +49,16 @@ from tqdm.auto import tqdm
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.accumulation import accumulation_windows
+from dmuon_edu.course.capstone_problem import Capstone
 from dmuon_edu.course.data import MarkovSource
 from dmuon_edu.course.data_parallel import rank_share
 from dmuon_edu.course.dmuon_problem import ResidencyProbe, per_rank
-from dmuon_edu.course.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.course.gpt import is_hidden_matrix
 from dmuon_edu.memory import peak_memory_bytes
 from dmuon_edu.muon import Muon
 from dmuon_edu.course.threads import one_thread
 
 __all__ = [
-    "Capstone",
     "RunResult",
     "OPTIMIZERS",
     "MODES",
@@ -68,7 +68,7 @@ __all__ = [
     "predictions",
     "learned_rows",
     "excess_loss",
-    "bigram_loss",
+    "local_microbatches",
     "run_single_process",
     "counted_bytes_per_step",
     "held_bytes",
@@ -77,75 +77,6 @@ __all__ = [
 OPTIMIZERS = ("AdamW", "Muon")  # in one process; dmuon runs under torchrun
 # dmuon's modes: Z3 (reshard_after_forward=True) or Z2, with the accumulation guide's no_sync or without it.
 MODES = ("Z2", "Z3", "Z2 without no_sync", "Z3 without no_sync")
-
-
-@dataclass(frozen=True)
-class Capstone:
-    """Every setting of the capstone run; the defaults fit about a minute of a 2-core CPU in all."""
-
-    vocab_size: int = 4
-    order: int = 2  # each token depends on the two before it: a bigram table cannot reach the floor
-    sharpness: float = 2.5  # of the chain's random rows: entropy rate 0.65 nats, log(4) = 1.39
-    source_seed: int = 0  # the chain and the held-out text: the same for every run
-    seq_len: int = 32
-    d_model: int = 32
-    n_layer: int = 2
-    n_head: int = 2
-    steps: int = 120
-    # Two micro-batches per step: under torchrun on CPU each micro-batch costs tens of
-    # milliseconds of FSDP2 and gloo overhead, far more than its arithmetic.
-    accum_steps: int = 2
-    global_microbatch: int = 16  # sequences, split over the ranks
-    eval_sequences: int = 1024
-    muon_lr: float = 0.02
-    # Muon's update scale, given to Muon and dmuon alike (their defaults differ): Keller Jordan's sqrt(max(1, m/n)).
-    muon_scale: str = "original"
-    adamw_lr: float = 1e-2  # AdamW alone, and AdamW's share of Muon and dmuon (embeddings, norms, biases, head)
-    seed: int = 0  # the model's initialisation and the training text
-
-    def source(self) -> MarkovSource:
-        return MarkovSource.random(self.vocab_size, seed=self.source_seed, sharpness=self.sharpness, order=self.order)
-
-    def floor(self) -> float:
-        """The lowest mean loss any model can reach on sequences of seq_len predictions, nats per token.
-
-        The mean of :meth:`MarkovSource.position_floors`: the entropy rate, except for the
-        first prediction, which has seen one token and cannot know which row applies.
-        """
-        return float(self.source().position_floors(self.seq_len).mean())
-
-    def model(self) -> GPT:
-        """The same freshly initialised GPT on every call and every rank."""
-        torch.manual_seed(self.seed)
-        return GPT(GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
-                             n_head=self.n_head, d_model=self.d_model))
-
-    def microbatches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every global micro-batch of the run, in order: ``steps * accum_steps`` (inputs, targets) pairs.
-
-        Each optimizer step's text has its own generator, so a shorter run trains on the
-        first micro-batches of a longer one (the sweep's test re-runs a prefix of a stored run).
-        """
-        source = self.source()
-        steps = [source.sample(self.accum_steps * self.global_microbatch, self.seq_len + 1,
-                               torch.Generator().manual_seed(_STEP_SEEDS * self.seed + step))
-                 for step in range(self.steps)]
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in torch.cat(steps).split(self.global_microbatch)]
-
-    def held_out(self) -> torch.Tensor:
-        """(eval_sequences, seq_len + 1) tokens no run trains on, the same for every seed."""
-        return self.source().sample(self.eval_sequences, self.seq_len + 1,
-                                    torch.Generator().manual_seed(_HELD_OUT_SEED + self.source_seed))
-
-    def local(self, microbatches, rank: int, world_size: int):
-        """This rank's equal share of each global micro-batch."""
-        return [rank_share(batch, rank, world_size) for batch in microbatches]
-
-
-# Optimizer step i of seed s draws its text with generator seed s * _STEP_SEEDS + i, and the held-out
-# text with _HELD_OUT_SEED + source_seed: far enough apart that no two runs share a generator.
-_STEP_SEEDS = 1_000_000
-_HELD_OUT_SEED = 999_999_000
 
 
 @dataclass
@@ -273,19 +204,9 @@ def excess_loss(source: MarkovSource, tokens: torch.Tensor, predicted: torch.Ten
     }
 
 
-def bigram_loss(source: MarkovSource, microbatches, tokens: torch.Tensor) -> float:
-    """Held-out loss on ``tokens`` of the best bigram table for the training text: next-token counts after each token.
-
-    Add-one smoothing keeps every probability above zero; with thousands of counts per
-    row it moves the loss by well under 1e-3 nats.
-    """
-    vocab = source.vocab_size
-    counts = torch.ones(vocab, vocab, dtype=torch.float64)
-    for inputs, targets in microbatches:
-        counts.index_put_((inputs.flatten(), targets.flatten()), torch.ones(inputs.numel(), dtype=torch.float64),
-                          accumulate=True)
-    table = counts / counts.sum(dim=1, keepdim=True)
-    return -table[tokens[:, :-1], tokens[:, 1:]].log().mean().item()
+def local_microbatches(microbatches, rank: int, world_size: int):
+    """This rank's equal share of each global micro-batch."""
+    return [rank_share(batch, rank, world_size) for batch in microbatches]
 
 
 def held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
@@ -357,7 +278,7 @@ def _run_dmuon(capstone: Capstone, mode: str, ranks, mesh) -> dict:
     optimizer = dmuon.Muon(model, lr=capstone.muon_lr, adamw_lr=capstone.adamw_lr, adjust_lr_fn=capstone.muon_scale)
     probe = ResidencyProbe(model)
     microbatches = [tuple(t.to(ranks.device) for t in batch)
-                    for batch in capstone.local(capstone.microbatches(), ranks.rank, ranks.world_size)]
+                    for batch in local_microbatches(capstone.microbatches(), ranks.rank, ranks.world_size)]
     with dmuon.count_comm() as counts:
         local_losses, seconds, peak = train(model, [optimizer], microbatches, capstone.accum_steps,
                                             no_sync=dmuon.no_sync if uses_no_sync else None)

@@ -6,8 +6,8 @@ distribution that depends on the k tokens before it, its *context*. Its entropy 
     H = sum_c pi_c * H(P[c, :])       (nats per token; pi: how often each context occurs),
 
 is the lowest average next-token loss any model can reach once it has seen k tokens.
-Order 1 (module 3) needs only the previous token; order 2 (the capstone) needs two, so a
-bigram table cannot reach its floor. Everything here is computed from the transition
+Order 1 (module 3) needs only the previous token; the capstone's source has order 3, so no
+table of fewer than three tokens of context reaches its floor. Everything here is computed from the transition
 table by linear algebra, never by sampling. Nothing is downloaded.
 """
 
@@ -21,7 +21,7 @@ import torch
 from dmuon_edu.accumulation import IGNORE_INDEX
 from dmuon_edu.arguments import require_int
 
-__all__ = ["MarkovSource", "entropy", "lm_batch"]
+__all__ = ["MarkovSource", "entropy", "context_numbers", "lm_batch"]
 
 
 def entropy(distributions: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ class MarkovSource:
 
     def context_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """The number of the context ending at each position of ``tokens`` (..., T): (..., T - k + 1)."""
-        return _base_v(tokens.unfold(-1, self.order, 1), self.vocab_size)
+        return context_numbers(tokens.unfold(-1, self.order, 1), self.vocab_size)
 
     def stationary(self) -> torch.Tensor:
         """(V^k,): the long-run frequency pi of each context (for order 1, of each token): pi M = pi.
@@ -153,7 +153,7 @@ class MarkovSource:
         out[:, k - 1:] = self.rows()[self.context_index(inputs)]
         joints = self.leading_joints()
         for t in range(min(k - 1, inputs.shape[1])):  # fewer than k tokens seen: the conditional of pi's leading tokens
-            joint = joints[t + 1][_base_v(inputs[:, : t + 1], self.vocab_size)]
+            joint = joints[t + 1][context_numbers(inputs[:, : t + 1], self.vocab_size)]
             out[:, t] = joint / joint.sum(dim=-1, keepdim=True)
         return out
 
@@ -175,8 +175,12 @@ class MarkovSource:
         return tokens[:, :length]
 
 
-def _base_v(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The tokens along the last dimension read as one number in base ``vocab``, the first most significant."""
+def context_numbers(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The tokens along the last dimension read as one number in base ``vocab``, the first most significant.
+
+    A context (a_1, ..., a_k) is numbered as :meth:`MarkovSource.rows` numbers it; an
+    empty last dimension is the one empty context, 0.
+    """
     powers = vocab ** torch.arange(tokens.shape[-1] - 1, -1, -1, device=tokens.device)
     return (tokens * powers).sum(dim=-1)
 

@@ -63,6 +63,11 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
         raise ValueError(f"unknown exercise {exercise!r}; known exercises: {', '.join(sorted(EXERCISES))}")
     if not callable(candidate):
         raise TypeError(f"pass your function itself, e.g. check({exercise!r}, {exercise}), not its result")
+    module = getattr(candidate, "__module__", None) or ""
+    if module.partition(".")[0] == "dmuon_edu" and not module.startswith("dmuon_edu.course"):
+        name = f"{module}.{getattr(candidate, '__qualname__', '')}"
+        return CheckResult(exercise, "FAIL", f"that is the package's own {name}: the exercise is to write it, "
+                                             "so pass the function you wrote")
     try:
         status, message = EXERCISES[exercise](candidate)
     except NotImplementedError:
