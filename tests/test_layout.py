@@ -168,3 +168,42 @@ def test_the_library_depends_on_torch_and_tqdm_only_and_the_course_tools_are_an_
     assert names == ["torch", "tqdm"]
     course = {re.split(r"[<>=!~ ;\[]", r)[0] for r in project["optional-dependencies"]["course"]}
     assert {"jupyterlab", "ipywidgets", "matplotlib", "nbformat", "nbclient"} <= course
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the dmuon_edu modules it imports anywhere (top level or inside a function), ancestors left out:
+    importing a submodule imports its packages first, whoever imports whom."""
+    files = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    graph = {}
+    for module, path in files.items():
+        ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        graph[module] = {name for name in _dmuon_edu_imports(path, module) if name in files} - ancestors - {module}
+    return graph
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state = {}  # module -> "open" while on the path being explored, "done" after
+
+    def visit(module, path):
+        state[module] = "open"
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                return path[path.index(imported):] + [imported]
+            if imported not in state and (found := visit(imported, path + [imported])):
+                return found
+        state[module] = "done"
+        return None
+
+    return next((found for module in sorted(graph) if module not in state and (found := visit(module, [module]))), None)
+
+
+def test_no_module_of_the_package_imports_itself_through_others():
+    # A circle works only while every import in it stays lazy, inside a function: one more top-level
+    # import, and whichever module loads first fails half-initialised.
+    assert _a_cycle(_import_graph()) is None, " -> ".join(_a_cycle(_import_graph()))
+
+
+def test_the_cycle_finder_finds_a_circle_and_only_one():
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
