@@ -5,6 +5,7 @@ from dmuon_edu.course.pitfalls, so that the checker is tested against code it ha
 never seen.
 """
 
+import itertools
 import re
 
 import pytest
@@ -84,6 +85,45 @@ def learner_hard_wired_n(model, optimizer, microbatches, loss_fn):
     return total
 
 
+def learner_keeps_loss_tensors(model, optimizer, microbatches, loss_fn):
+    """Honest: keeps each loss tensor for logging; its graph was freed by its backward all the same."""
+    optimizer.zero_grad()
+    losses = []
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t)
+        (loss / len(microbatches)).backward()
+        losses.append(loss)
+    optimizer.step()
+    return sum(loss.item() for loss in losses) / len(losses)
+
+
+def learner_one_summed_backward(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    total = sum(loss_fn(model(x), t) for x, t in microbatches) / len(microbatches)
+    total.backward()
+    optimizer.step()
+    return total.item()
+
+
+def learner_retains_graphs(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    losses = []
+    for x, t in microbatches:
+        loss = loss_fn(model(x), t)
+        (loss / len(microbatches)).backward(retain_graph=True)
+        losses.append(loss)
+    optimizer.step()
+    return sum(loss.item() for loss in losses) / len(losses)
+
+
+def learner_one_big_batch(model, optimizer, microbatches, loss_fn):
+    optimizer.zero_grad()
+    loss = loss_fn(model(torch.cat([x for x, _ in microbatches])), torch.cat([t for _, t in microbatches]))
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 def learner_stub(model, optimizer, microbatches, loss_fn):
     raise NotImplementedError("Exercise: replace this line with your code")
 
@@ -101,6 +141,11 @@ def learner_crashes(model, optimizer, microbatches, loss_fn):
         (learner_one_over_n, "PASS", "equals one full-batch step"),
         (learner_logs_scaled_loss, "FAIL", "returned loss is N times too small"),
         (learner_hard_wired_n, "FAIL", "differ from one full-batch step"),
+        (learner_keeps_loss_tensors, "PASS", "peaks at one micro-batch's memory"),
+        # The same update as one full-batch step, at several times the memory: the lesson, graded.
+        (learner_one_summed_backward, "FAIL", r"added the losses and called backward once.*\d\.\dx the peak memory"),
+        (learner_retains_graphs, "FAIL", r"outlived its backward \(retain_graph=True\?\).*\d\.\dx the peak memory"),
+        (learner_one_big_batch, "FAIL", r"window as one batch.*\d\.\dx the peak memory"),
         (learner_stub, "TODO", "not attempted"),
         (learner_crashes, "FAIL", "raised TypeError"),
     ],
@@ -205,7 +250,28 @@ def test_microbatch_weights_hint_states_the_measured_cost():
 
 
 def windows_correct(batches, accum_steps):
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == accum_steps:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def windows_by_islice(batches, accum_steps):  # honest too: itertools reads exactly one window at a time
+    batches = iter(batches)
+    while window := list(itertools.islice(batches, accum_steps)):
+        yield window
+
+
+def windows_reading_the_epoch_first(batches, accum_steps):
     batches = list(batches)
+    return [batches[i : i + accum_steps] for i in range(0, len(batches), accum_steps)]
+
+
+def windows_by_slicing(batches, accum_steps):
     return [batches[i : i + accum_steps] for i in range(0, len(batches), accum_steps)]
 
 
@@ -219,7 +285,7 @@ def windows_dropping_leftover(batches, accum_steps):
 
 
 def windows_merging_leftover(batches, accum_steps):
-    windows = windows_correct(batches, accum_steps)
+    windows = list(windows_correct(batches, accum_steps))
     if len(windows) > 1 and len(windows[-1]) < accum_steps:
         leftover = windows.pop()
         windows[-1] += leftover
@@ -229,7 +295,10 @@ def windows_merging_leftover(batches, accum_steps):
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
-        (windows_correct, "PASS", "shorter last window"),
+        (windows_correct, "PASS", "from a list, a generator and a DataLoader"),
+        (windows_by_islice, "PASS", "from a list, a generator and a DataLoader"),
+        (windows_reading_the_epoch_first, "FAIL", "read 10 batches before yielding the first window of 4"),
+        (windows_by_slicing, "FAIL", "needs len() or slicing"),
         (windows_dropping_leftover, "FAIL", "last, shorter window is missing"),
         (windows_merging_leftover, "FAIL", "expected windows"),
     ],
@@ -353,6 +422,31 @@ def ns_step_without_linear_term(X, a, b, c):
     return b * gram @ X + c * gram @ gram @ X
 
 
+def ns_step_elementwise_square(X, a, b, c):
+    gram = X @ X.mT
+    return a * X + (b * gram + c * gram * gram) @ X
+
+
+def ns_step_quintic_without_square(X, a, b, c):
+    gram = X @ X.mT
+    return a * X + (b * gram + c * gram) @ X
+
+
+def ns_step_swapped_coefficients(X, a, b, c):
+    gram = X @ X.mT
+    return a * X + (c * gram + b * gram @ gram) @ X
+
+
+def ns_step_right_to_left(X, a, b, c):  # honest: A X twice, and A (A X) instead of (A A) X: 1.8x the flops
+    gram = X @ X.mT
+    return a * X + b * gram @ X + c * gram @ (gram @ X)
+
+
+def ns_step_through_the_wide_gram(X, a, b, c):  # the right values through the n x n X^T X: 10x the flops
+    wide = X.mT @ X
+    return a * X + X @ (b * wide + c * wide @ wide)
+
+
 def ns_step_wrong_gram(X, a, b, c):
     gram = X.mT @ X  # n x n: the shapes no longer fit a wide X
     return a * X + (b * gram + c * gram @ gram) @ X.mT
@@ -363,6 +457,11 @@ def ns_step_wrong_gram(X, a, b, c):
     [
         (ns_step_correct, "PASS", "one quintic Newton-Schulz step"),
         (ns_step_without_linear_term, "FAIL", "the a * X term is missing"),
+        (ns_step_elementwise_square, "FAIL", "A * A squares each entry of A"),
+        (ns_step_quintic_without_square, "FAIL", "the quintic term needs A @ A, i.e. (X X^T)^2, not A"),
+        (ns_step_swapped_coefficients, "FAIL", "the coefficients are swapped"),
+        (ns_step_right_to_left, "PASS", "one quintic Newton-Schulz step"),
+        (ns_step_through_the_wide_gram, "FAIL", "the right values at 10.7x the flops of the cheapest grouping"),
         (ns_step_wrong_gram, "FAIL", "shape"),
     ],
 )

@@ -253,13 +253,13 @@ def _examine(model: nn.Module, capstone: Capstone) -> tuple[float, list[list[flo
 def counted_bytes_per_step(p_m: int, accum_steps: int, zero3: bool, no_sync: bool) -> dict[str, int]:
     """dmuon's broadcast and reduce bytes per optimizer step, as count_comm counts them (whole tensor per call).
 
-    Z3 broadcasts before every forward and every backward (2k P_M), Z2 once per step;
-    the reduce runs once per step with no_sync, every micro-batch (k P_M) without.
-    Times (N - 1) / N these are the wire bytes per rank of the published formulas:
-    with k = 1, 3 (N - 1)/N P_M for Z3 and 2 (N - 1)/N P_M for Z2.
+    With N = ``accum_steps`` micro-batches, Z3 broadcasts before every forward and every
+    backward (2N P_M), Z2 once per step; the reduce runs once per step with no_sync, every
+    micro-batch (N P_M) without. Times (W - 1) / W, on W ranks, these are the wire bytes per
+    rank of the published formulas: with N = 1, 3 (W - 1)/W P_M for Z3 and 2 (W - 1)/W P_M for Z2.
     """
-    k = accum_steps
-    return {"broadcast": (2 * k if zero3 else 1) * p_m, "reduce": (1 if no_sync else k) * p_m}
+    n = accum_steps
+    return {"broadcast": (2 * n if zero3 else 1) * p_m, "reduce": (1 if no_sync else n) * p_m}
 
 
 def _typical(seconds: list[float]) -> float:

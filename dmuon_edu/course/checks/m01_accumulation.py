@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 import torch
 
-from dmuon_edu.course import pitfalls
 from dmuon_edu.accumulation import train_step_with_accumulation
+from dmuon_edu.course import pitfalls
 from dmuon_edu.course.checks.problem import regression_model, regression_windows
+from dmuon_edu.course.threads import one_thread
+from dmuon_edu.memory import peak_memory_bytes
 
 # Float32 parameters of size ~0.1-1 after a few additions: two correct
 # implementations that order or group the scaling differently differ by a few
@@ -53,7 +55,51 @@ def _check_train_step(candidate: Callable) -> tuple[str, str]:
                 return "FAIL", f"return the loss as a Python float (loss.item()), not {type(loss).__name__}"
             if abs(loss - expected) > LOSS_RTOL * abs(expected):
                 return "FAIL", _diagnose_loss(loss, expected, len(sizes))
-    return "PASS", "your step equals one full-batch step, for 4 and for 2 micro-batches, and returns the mean loss"
+    peak, forwards, backwards = _memory_of(candidate)
+    ratio = peak / _memory_of(train_step_with_accumulation)[0]
+    if ratio > PEAK_RATIO:
+        return "FAIL", _diagnose_memory(ratio, forwards, backwards)
+    return "PASS", ("your step equals one full-batch step, for 4 and for 2 micro-batches, returns the mean loss, "
+                    "and peaks at one micro-batch's memory")
+
+
+# The memory lesson, graded: a window of 8 micro-batches of 256 samples on an MLP whose activations
+# outweigh its weights. A step that frees each micro-batch's activations at its backward peaks at
+# 1.00x the package's (measured, also keeping each loss tensor for logging); every step that keeps the
+# window's activations alive peaks at 4x or more (one summed backward 4.1x, retain_graph=True 4.6x,
+# the window as one batch 5.0x). 2x lies between, far from both.
+PEAK_RATIO = 2.0
+MEMORY_WINDOW = (8, 256)  # micro-batches, samples each
+
+
+def _memory_of(step_fn: Callable) -> tuple[int, int, int]:
+    """Peak bytes of one ``step_fn`` window on the activation-heavy MLP; its forwards and its backward passes."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                    torch.nn.GELU(), torch.nn.Linear(512, 1))
+    generator = torch.Generator().manual_seed(7)
+    count, size = MEMORY_WINDOW
+    window = [(torch.randn(size, 64, generator=generator), torch.randn(size, 1, generator=generator))
+              for _ in range(count)]
+    forwards, backwards = [], []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    model[0].weight.register_hook(lambda grad: backwards.append(1))  # once per backward pass through the model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with one_thread():  # the profiler counts the calling thread's allocations
+        peak = peak_memory_bytes(lambda: step_fn(model, optimizer, window, torch.nn.functional.mse_loss))
+    return peak, len(forwards), len(backwards)
+
+
+def _diagnose_memory(ratio: float, forwards: int, backwards: int) -> str:
+    cost = f"{ratio:.1f}x the peak memory of a backward per micro-batch"
+    if forwards == 1:
+        return f"you ran the window as one batch, the very step accumulation replaces: {cost}"
+    if backwards == 1:
+        return (f"you added the losses and called backward once, so every micro-batch's activations lived until "
+                f"then ({cost}): call backward on each micro-batch's loss")
+    return (f"each micro-batch's graph outlived its backward (retain_graph=True?), so the activations piled up: "
+            f"{cost}")
 
 
 def _diagnose_update(params: torch.Tensor, windows, sizes) -> str:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
 from dmuon_edu.course.data import MarkovSource, lm_batch
@@ -23,14 +24,50 @@ def _check_windows(candidate: Callable) -> tuple[str, str]:
         if got == expected:
             continue
         if got == [w for w in expected if len(w) == accum_steps]:
-            return "FAIL", (
-                f"with {n_batches} batches and accum_steps={accum_steps} the last, shorter window is missing: "
-                "after the loop, yield what is left if it is not empty"
-            )
+            return "FAIL", (f"with {n_batches} batches and accum_steps={accum_steps} the last, shorter window is "
+                            "missing: after the loop, yield what is left if it is not empty")
         if sum(got, []) != batches:
             return "FAIL", f"with {n_batches} batches and accum_steps={accum_steps} your windows do not hold every batch once, in order: {got}"
         return "FAIL", f"with {n_batches} batches and accum_steps={accum_steps} expected windows {expected}, got {got}"
-    return "PASS", "windows of accum_steps batches, and a shorter last window when the count does not divide"
+    return _check_windows_of_a_stream(candidate)
+
+
+class _CountedBatches:
+    """10 batches that can be walked once, as a generator can, counting how many have been read."""
+
+    def __init__(self):
+        self.read = 0
+
+    def __iter__(self):
+        for i in range(10):
+            self.read += 1
+            yield f"batch{i}"
+
+
+def _check_windows_of_a_stream(candidate: Callable) -> tuple[str, str]:
+    """A generator and a DataLoader: no len(), no slicing, and each window yielded before the next is read."""
+    stream = _CountedBatches()
+    try:
+        windows = iter(candidate(iter(stream), 4))
+        first = list(next(windows))
+        read_for_the_first = stream.read
+        rest = [list(window) for window in windows]
+        loader = [[int(b) for b in window] for window in candidate(DataLoader(torch.arange(10), batch_size=1), 4)]
+    except TypeError as error:
+        return "FAIL", (f"your function needs len() or slicing ({error}), which a generator or a DataLoader does not "
+                        "have: walk the batches once, with a for loop")
+    if [first, *rest] != [[f"batch{i}" for i in w] for w in _TEN_IN_FOURS]:
+        return "FAIL", f"given a generator of 10 batches and accum_steps=4, your windows are {[first, *rest]}"
+    if read_for_the_first > 4:
+        return "FAIL", (f"your function read {read_for_the_first} batches before yielding the first window of 4: a "
+                        "DataLoader's epoch need not fit in memory, so yield each window as soon as it is full")
+    if loader != _TEN_IN_FOURS:
+        return "FAIL", f"given a DataLoader of 10 batches and accum_steps=4, your windows are {loader}"
+    return "PASS", ("windows of accum_steps batches, a shorter last window when the count does not divide, from a "
+                    "list, a generator and a DataLoader, each window yielded as soon as it is full")
+
+
+_TEN_IN_FOURS = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def _check_summed_token_loss(candidate: Callable) -> tuple[str, str]:

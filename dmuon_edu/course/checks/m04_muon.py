@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from dmuon_edu.course.ns_design import band_reached, composed_polynomial
 from dmuon_edu.muon import Muon
@@ -31,16 +32,46 @@ def _check_ns_step(candidate: Callable) -> tuple[str, str]:
     A = X @ X.T
     expected = a * X + (b * A + c * A @ A) @ X
     if torch.allclose(got, expected, atol=ATOL, rtol=0):
-        return "PASS", "one quintic Newton-Schulz step: X -> a X + (b A + c A^2) X with A = X X^T"
+        return _check_ns_step_cost(candidate)
     mistakes = {
         "the a * X term is missing: X_next = a X + (b A + c A^2) X": (b * A + c * A @ A) @ X,
         "the quintic term needs A @ A, i.e. (X X^T)^2, not A": a * X + (b * A + c * A) @ X,
         "the coefficients are swapped: b goes with A, c with A @ A": a * X + (c * A + b * A @ A) @ X,
+        "A * A squares each entry of A; the quintic term needs the matrix product A @ A": a * X + (b * A + c * A * A) @ X,
     }
     for hint, wrong in mistakes.items():
         if torch.allclose(got, wrong, atol=ATOL, rtol=0):
             return "FAIL", hint
     return "FAIL", f"off by up to {(got - expected).abs().max().item():.2g}: compute A = X @ X.T, then a * X + (b * A + c * A @ A) @ X"
+
+
+# The design half: the flops of the step on a wide 8 x 32 X. Grouping with A = X X^T (8 x 8) costs 9216;
+# honest variants cost up to 1.8x that (A @ X formed twice, or A (A X) instead of (A A) X), a left-to-right
+# X X^T X X^T X 2.7x, and every grouping through X^T X (32 x 32) 10x or more.
+FLOPS_SHAPE = (8, 32)
+FLOPS_RATIO = 2.0
+
+
+def _flops(step: Callable, X: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        step(X, *JORDAN[0])
+    return counter.get_total_flops()
+
+
+def _cheapest_ns_step(X, a, b, c):
+    A = X @ X.T
+    return a * X + (b * A + c * A @ A) @ X
+
+
+def _check_ns_step_cost(candidate: Callable) -> tuple[str, str]:
+    X = torch.randn(*FLOPS_SHAPE, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ratio = _flops(candidate, X) / _flops(_cheapest_ns_step, X)
+    if ratio > FLOPS_RATIO:
+        m, n = FLOPS_SHAPE
+        return "FAIL", (f"the right values at {ratio:.1f}x the flops of the cheapest grouping on the {m} x {n} X: form "
+                        f"the {m} x {m} A = X X^T once (not the {n} x {n} X^T X) and apply b A + c A^2 to X once")
+    return "PASS", ("one quintic Newton-Schulz step: X -> a X + (b A + c A^2) X with A = X X^T, at "
+                    f"{ratio:.1f}x the flops of the cheapest grouping")
 
 
 def _reference_muon(W, G_steps, lr, momentum, nesterov):
