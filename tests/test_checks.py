@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from dmuon_edu.course import pitfalls
 from dmuon_edu.course.checks import RESULT_LINE, check, run_check
 
 
@@ -508,14 +509,22 @@ def muon_step_not_orthogonalised(W, G, B, lr, momentum=0.95, nesterov=True):
     return W - lr * max(1, m / n) ** 0.5 * (G + momentum * B if nesterov else B), B
 
 
+def muon_step_swapped_look_ahead(W, G, B, lr, momentum=0.95, nesterov=True):
+    B = momentum * B + G
+    m, n = W.shape
+    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(B + momentum * G if nesterov else B), B
+
+
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
         (muon_step_correct, "PASS", "momentum, Nesterov"),
         (muon_step_ema, "PASS", "momentum, Nesterov"),
         (muon_step_no_nesterov, "FAIL", "without Nesterov"),
-        (muon_step_no_shape_factor, "FAIL", "shape factor is missing"),
-        (muon_step_not_orthogonalised, "FAIL", "O = newton_schulz(U)"),
+        (muon_step_no_shape_factor, "FAIL", "the shape factor is sqrt(max(1, m / n))"),
+        (muon_step_not_orthogonalised, "FAIL", "the update is not orthogonalised"),
+        (muon_step_swapped_look_ahead, "FAIL", "the look-ahead is swapped"),
+        (pitfalls.colleague_muon_step, "FAIL", "your colleague's step, both of its mistakes"),
     ],
 )
 def test_muon_step_verdicts(candidate, status, hint):

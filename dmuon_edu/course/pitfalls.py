@@ -44,6 +44,7 @@ __all__ = [
     "drop_leftover_window",
     "underweight_leftover_window",
     "GradOverwritingMuon",
+    "colleague_muon_step",
     "step_gradient_norms",
     "OPTIMIZERS",
     "make_optimizer",
@@ -252,6 +253,15 @@ class GradOverwritingMuon(torch.optim.Optimizer):
                 blend = p.grad.lerp_(buffer, mu)
                 update = newton_schulz(blend, steps=group["ns_steps"], dtype=group["ns_dtype"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"] * ADJUST_LR_FNS["original"](*p.shape))
+
+
+def colleague_muon_step(W, G, B, lr, momentum=0.95, nesterov=True):
+    """A colleague's Muon step for one matrix, said to match dmuon_edu.Muon: module 4b's exercise finds its two mistakes."""
+    B = momentum * B + G
+    U = B + momentum * G if nesterov else B
+    O = newton_schulz(U, dtype=torch.float32)
+    m, n = W.shape
+    return W - lr * max(1.0, n / m) ** 0.5 * O, B
 
 
 # --- what an unscaled loss does to the learning rate ------------------------------------------

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dmuon_edu.course.ns_design import band_reached, composed_polynomial
 from dmuon_edu.muon import Muon
-from dmuon_edu.newton_schulz import JORDAN
+from dmuon_edu.newton_schulz import JORDAN, newton_schulz
 
 # Both sides run in float64 on matrices with entries O(1): only rounding differs.
 ATOL = 1e-10
@@ -109,15 +109,40 @@ def _check_muon_step(candidate: Callable) -> tuple[str, str]:
         ):
             return "PASS", "momentum, Nesterov, Newton-Schulz and the shape factor, over three steps"
         return "FAIL", "with nesterov=False the update is the momentum buffer itself: U = B"
-    if torch.allclose(got, _reference_muon(W0, G_steps, lr, momentum, nesterov=False), atol=1e-5, rtol=0):
-        return "FAIL", "that is Muon without Nesterov; with nesterov=True use U = G + momentum * B"
-    unscaled = _reference_muon(W0, G_steps, lr / 2**0.5, momentum, nesterov=True)
-    if torch.allclose(got, unscaled, atol=1e-5, rtol=0):
-        return "FAIL", "the shape factor is missing: multiply the step by sqrt(max(1, m / n)) (here sqrt(6 / 3))"
-    return "FAIL", (
-        f"after three steps the weights differ from Muon's by up to {(got - expected).abs().max().item():.2g}; "
-        "B = momentum * B + G, U = G + momentum * B, O = newton_schulz(U), W = W - lr * sqrt(max(1, m/n)) * O"
-    )
+    cost = f"(after three steps the weights are up to {(got - expected).abs().max().item():.2g} off Muon's)"
+    for variant, hint in _MUON_MISTAKES.items():
+        if torch.allclose(got, _muon_variant(W0, G_steps, lr, momentum, *variant), atol=1e-5, rtol=0):
+            return "FAIL", f"{hint} {cost}"
+    return "FAIL", (f"your step is not Muon's {cost}: compare it, line by line, with the contract in "
+                    "help(dmuon_edu.Muon)")
+
+
+_LOOK_AHEADS = {"nesterov": lambda G, B, mu: G + mu * B, "none": lambda G, B, mu: B,
+                "swapped": lambda G, B, mu: B + mu * G}
+# (look-ahead, shape factor applied, orthogonalised), with nesterov=True: each known mistake's own hint.
+_MUON_MISTAKES = {
+    ("none", True, True): "that is Muon without Nesterov: with nesterov=True the update is U = G + momentum * B",
+    ("swapped", True, True): ("the look-ahead is swapped: Nesterov's U is the gradient plus momentum times the new "
+                        "buffer, G + momentum * B, not B + momentum * G"),
+    ("nesterov", False, True): ("the shape factor is sqrt(max(1, m / n)), sqrt(2) for this tall 6 x 3 W; "
+                          "sqrt(max(1, n / m)), or none, is 1 here"),
+    ("swapped", False, True): "that is your colleague's step, both of its mistakes still in it",
+    ("nesterov", True, False): ("the update is not orthogonalised: O = newton_schulz(U) is what makes it Muon, "
+                                "every direction moved by the same amount"),
+}
+
+
+def _muon_variant(W0, G_steps, lr, momentum, look_ahead: str, scaled: bool, orthogonalised: bool):
+    """Muon's step with known changes: the look-ahead it uses, whether the shape factor is applied, and
+    whether the update goes through Newton-Schulz."""
+    W, B = W0.clone(), torch.zeros_like(W0)
+    m, n = W0.shape
+    for G in G_steps:
+        B = momentum * B + G
+        U = _LOOK_AHEADS[look_ahead](G, B, momentum)
+        O = newton_schulz(U, dtype=torch.float32) if orthogonalised else U
+        W = W - lr * (max(1.0, m / n) ** 0.5 if scaled else 1.0) * O
+    return W
 
 
 # The coefficient-design exercise: five steps of one tuple must lift every singular value in
