@@ -122,6 +122,13 @@ AUDIT = {
         CORRECT, "test_bad_input::test_a_refused_call_changes_nothing[muon/float64_gradient_on_float32_parameter]"),
     "Muon([])": (CLEAR_ERROR, f"{BAD_INPUT}[muon/empty_parameter_list]"),
     "Muon([{'params': []}])": (CLEAR_ERROR, f"{BAD_INPUT}[muon/empty_parameter_groups]"),
+    "Muon(lr=None) gives no example": (CLEAR_ERROR, f"{BAD_INPUT}[muon/lr_none]"),
+    "newton_schulz(eps='1e-7') is a ValueError": (CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/eps_a_string]"),
+    "dedicate_params(model, None, ...) is a ValueError": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.dedicate_params/mesh_none]"),
+    "dmuon.clip_grad_norm_(model, '1.0') explains zero and negative values": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.clip_grad_norm_/max_norm_a_string]"),
+    "check of an unknown module does not say what to do": (
+        CLEAR_ERROR, "test_course::test_an_unknown_module_is_refused_naming_the_modules_there"),
     "Muon(model), a model where its parameters are expected": (
         CLEAR_ERROR, f"{BAD_INPUT}[muon/a_model_instead_of_its_parameters]"),
     "muon_param_groups of a list, a list where a model is expected": (CLEAR_ERROR, f"{BAD_INPUT}[muon_param_groups/a_list]"),

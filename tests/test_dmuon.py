@@ -398,7 +398,7 @@ def test_a_replicate_mesh_must_be_one_axis_of_a_2d_mesh(one_rank):
     two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(ValueError, match="1-D DeviceMesh as replicate_mesh"):
         dmuon.dedicate_params(Tiny(), two_d["shard"], is_dedicated, replicate_mesh=two_d)
-    with pytest.raises(ValueError, match=r"mesh2d\['replicate'\]"):
+    with pytest.raises(TypeError, match=r"mesh2d\['replicate'\]"):  # a name, not the mesh
         dmuon.dedicate_params(Tiny(), two_d["shard"], is_dedicated, replicate_mesh="replicate")
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _has_foreach_support
 
+from ..arguments import describe
 from .dedicate import DMuonState, state_of
 
 __all__ = ["clip_grad_norm_", "MuonGradClipStats"]
@@ -100,13 +101,14 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
     Raises:
         ValueError: ``max_norm`` is not None and not a finite number > 0, ``norm_type``
             is not > 0, ``strategy`` is unknown, or the model has no dedicated parameters.
-        TypeError: neither a model nor a dmuon.Muon was given.
+        TypeError: neither a model nor a dmuon.Muon was given, or ``max_norm`` is not a number.
         RuntimeError: called inside no_sync, with gradients not reduced yet, with
             ``error_if_nonfinite`` and a non-finite norm, or with ``foreach=True`` where the
             device has no foreach kernels.
     """
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-                                 or not 0 < max_norm < math.inf):
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
+        raise TypeError(f"max_norm must be a number or None (measure only), got {describe(max_norm)}; 1.0 is the usual value")
+    if max_norm is not None and not 0 < max_norm < math.inf:
         raise ValueError(
             f"max_norm must be a finite number > 0 or None (measure only), got {max_norm!r}: 0 would zero every "
             "gradient and a negative one would flip every gradient; 1.0 is the usual value"

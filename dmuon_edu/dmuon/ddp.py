@@ -211,10 +211,10 @@ def dedicate_params_ddp(
         ``{name: owner's rank}`` for each dedicated matrix.
 
     Raises:
-        ValueError: ``mesh`` is not a 1-D DeviceMesh over every rank of the process group,
-            or what ``dedicate_params`` refuses about the selection and the policies.
+        ValueError: ``mesh`` is not 1-D over every rank of the process group, or what
+            ``dedicate_params`` refuses about the selection and the policies.
         RuntimeError: the model is already sharded by fully_shard, or was already dedicated.
-        TypeError: as ``dedicate_params``.
+        TypeError: ``mesh`` is not a DeviceMesh, or as ``dedicate_params``.
     """
     require_module("dedicate_params_ddp", model, "pass the model itself, before dmuon.replicate")
     _require_data_parallel_mesh("dedicate_params_ddp", mesh)
@@ -286,7 +286,7 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
 def _require_data_parallel_mesh(entry: str, mesh) -> None:
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
-        raise ValueError(
+        raise (ValueError if isinstance(mesh, DeviceMesh) else TypeError)(
             f"{entry} needs a 1-D DeviceMesh over the data-parallel ranks, got {what}: use "
             "init_device_mesh(device_type, (world_size,)). For HSDP use dedicate_params(model, mesh2d['shard'], "
             "predicate, replicate_mesh=mesh2d['replicate']) with fully_shard"

@@ -552,15 +552,16 @@ def dedicate_params(
             contiguous, or shares its storage; a hook boundary cannot be found (strict); a
             policy asks for what dmuon does not do (policy.py says which fields).
         RuntimeError: the model is already sharded, or was already dedicated.
-        TypeError: ``model`` is not an nn.Module, ``predicate`` is not a function of
-            (name, param), ``reshard_after_forward`` or ``hook_boundary_strict`` is not a
-            bool, or a hook boundary argument or policy part has the wrong type.
+        TypeError: ``model`` is not an nn.Module, a mesh is not a DeviceMesh, ``predicate``
+            is not a function of (name, param), ``reshard_after_forward`` or
+            ``hook_boundary_strict`` is not a bool, or a hook boundary argument or policy
+            part has the wrong type.
     """
     require_module("dedicate_params", model, "pass the model itself, before fully_shard")
     for argument, value in (("mesh", mesh), ("replicate_mesh", replicate_mesh)):
         if (value is not None or argument == "mesh") and (not isinstance(value, DeviceMesh) or value.ndim != 1):
             what = f"a {value.ndim}-D DeviceMesh" if isinstance(value, DeviceMesh) else type(value).__name__
-            raise ValueError(
+            raise (ValueError if isinstance(value, DeviceMesh) else TypeError)(
                 f"dedicate_params needs a 1-D DeviceMesh as {argument}, got {what}: use "
                 "init_device_mesh(device_type, (world_size,)), or for HSDP mesh=mesh2d['shard'], "
                 "replicate_mesh=mesh2d['replicate'] of init_device_mesh(device_type, (replicas, shards), "
