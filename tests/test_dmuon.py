@@ -706,9 +706,10 @@ def test_a_checkpoint_with_checkpoint_wrapper_resumes_without_it_and_back_bit_id
         assert c[direction] == {"wrapper_in_keys": [], "restored_max_diff": 0.0, "continued_max_diff": 0.0}, c
 
 
-def test_torch_clip_of_the_model_parameters_is_partial_and_step_warns_on_every_rank(checks):
-    c = real_use(checks, "partial_clip")
-    assert c["torch"] < 0.9 * c["global"], c  # it saw the FSDP2 gradients only
+@pytest.mark.parametrize("record", ["partial_clip", "ddp_partial_clip"])  # FSDP2 and the DDP backend
+def test_torch_clip_of_the_model_parameters_is_partial_and_step_warns_on_every_rank(checks, record):
+    c = real_use(checks, record)
+    assert c["torch"] < 0.9 * c["global"], c  # it saw the other parameters' gradients only
     assert all(len(w) == 1 and "dmuon.clip_grad_norm_(model, max_norm)" in w[0] for w in c["warned"]["torch"]), c
     assert c["warned"]["none"] == c["warned"]["dmuon"] == [[]] * c["nproc"], c
 

@@ -374,7 +374,8 @@ class Muon(torch.optim.Optimizer):
             order.step_checked()
         if bool(agreed[1]) and not state.clipped:
             warnings.warn(
-                "the FSDP2 gradients were scaled after the backward, but not the dedicated (Muon) ones: "
+                "the other parameters' gradients (in p.grad) were scaled after the backward, but not the dedicated "
+                "(Muon) ones: "
                 "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only the gradients in p.grad, and a "
                 "dedicated matrix's gradient lives on its owner (p._reduced_grad), so it measured and clipped part "
                 "of the gradient. Use dmuon.clip_grad_norm_(model, max_norm) for the global norm",

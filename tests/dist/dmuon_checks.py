@@ -994,19 +994,24 @@ def check_wrapped_checkpoints(mesh):
     report("wrapped_checkpoints", **result)
 
 
-def check_partial_clip(mesh):
-    """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the FSDP2 gradients only: its norm is below the
-    global one, and step() warns on every rank; no warning without a clip or with dmuon's."""
+def check_partial_clip(mesh, backend="fsdp2"):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) sees the FSDP2 gradients (on the DDP backend: the
+    replicated ones) only: its norm is below the global one, and step() warns on every rank; no warning
+    without a clip or with dmuon's."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build(mesh, zero3=True)
-    # An output FSDP2's root does not look into: its last gradients are written in its end-of-backward callback,
-    # after dmuon's, which must not take that for a clip.
-    model.boxed = True
+    if backend == "fsdp2":
+        model, opt = build(mesh, zero3=True)
+        # An output FSDP2's root does not look into: its last gradients are written in its end-of-backward
+        # callback, after dmuon's, which must not take that for a clip.
+        model.boxed = True
+    else:
+        model, opt = build_ddp(mesh)
     outcome, norms = {}, {}
     for step, clip in enumerate(("none", "dmuon", "torch")):
         mine, _, total = window(step, rank, world)
-        for x, y in mine:  # no no_sync: FSDP2 adds each backward's gradients into the ones before
-            (F.mse_loss(model(x).value, y, reduction="sum") * world / (total * OUT)).backward()
+        for x, y in mine:  # no no_sync: each backward's gradients are added into the ones before
+            out = model(x).value if backend == "fsdp2" else model(x)
+            (F.mse_loss(out, y, reduction="sum") * world / (total * OUT)).backward()
         if clip == "dmuon":
             dmuon.clip_grad_norm_(model, 1e-3)
         if clip == "torch":
@@ -1016,8 +1021,8 @@ def check_partial_clip(mesh):
             warnings.simplefilter("always")
             opt.step()
         opt.zero_grad()
-        outcome[clip] = [str(w.message) for w in caught if "FSDP2 gradients were scaled" in str(w.message)]
-    report("partial_clip", warned=per_rank_outcomes(outcome), **norms)
+        outcome[clip] = [str(w.message) for w in caught if "were scaled after the backward" in str(w.message)]
+    report("partial_clip" if backend == "fsdp2" else "ddp_partial_clip", warned=per_rank_outcomes(outcome), **norms)
 
 
 def check_order_modes(mesh):
@@ -1254,6 +1259,7 @@ def main():
             check_partial_clip(mesh)
             check_order_modes(mesh)
             check_ddp(mesh)
+            check_partial_clip(mesh, backend="ddp")
         if ranks.rank == 0:
             check_channel.done()
 
