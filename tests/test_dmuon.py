@@ -712,6 +712,11 @@ def test_torch_clip_of_the_model_parameters_is_partial_and_step_warns_on_every_r
     assert c["torch"] < 0.9 * c["global"], c  # it saw the other parameters' gradients only
     assert all(len(w) == 1 and "dmuon.clip_grad_norm_(model, max_norm)" in w[0] for w in c["warned"]["torch"]), c
     assert c["warned"]["none"] == c["warned"]["dmuon"] == [[]] * c["nproc"], c
+    # dmuon's clip of the model, on every rank: the fields of MuonGradClipStats it returns.
+    assert c["stats"] == [{"max_norm": 1e-3, "norm_type": 2.0, "clipped": True, "clip_coef_below_1": True,
+                           "found_inf": False, "strategy": "global_norm"}] * c["nproc"], c
+    if record == "ddp_partial_clip":  # the global norm is the full batch's: float32 sums in another order
+        assert abs(c["global"] - c["reference"]) < 1e-5 * c["reference"], c
 
 
 def test_the_order_check_per_step_costs_no_round_trip_after_the_first_step_and_still_names_divergences(checks):

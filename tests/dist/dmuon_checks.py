@@ -1006,14 +1006,24 @@ def check_partial_clip(mesh, backend="fsdp2"):
         model.boxed = True
     else:
         model, opt = build_ddp(mesh)
-    outcome, norms = {}, {}
+    outcome, norms, stats = {}, {}, {}
     for step, clip in enumerate(("none", "dmuon", "torch")):
-        mine, _, total = window(step, rank, world)
+        mine, (x_full, y_full), total = window(step, rank, world)
         for x, y in mine:  # no no_sync: each backward's gradients are added into the ones before
             out = model(x).value if backend == "fsdp2" else model(x)
             (F.mse_loss(out, y, reduction="sum") * world / (total * OUT)).backward()
+        if clip == "torch" and backend == "ddp":
+            # The full batch's gradient norm at this step's weights: read after the window's first forward,
+            # which waited for the last step's broadcast of the owners' matrices (replicate_async).
+            ref = Net()
+            ref.load_state_dict({n: p.detach().cpu() for n, p in model.named_parameters()}, strict=True)
+            F.mse_loss(ref(x_full), y_full, reduction="sum").div(total * OUT).backward()
+            norms["reference"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
         if clip == "dmuon":
-            dmuon.clip_grad_norm_(model, 1e-3)
+            clipped = dmuon.clip_grad_norm_(model, 1e-3)
+            stats = {"max_norm": clipped.max_norm, "norm_type": clipped.norm_type, "clipped": bool(clipped.clipped),
+                     "clip_coef_below_1": float(clipped.clip_coef) < 1, "found_inf": bool(clipped.found_inf),
+                     "strategy": clipped.strategy}
         if clip == "torch":
             norms["global"] = dmuon.clip_grad_norm_(model, None).total_norm.item()
             norms["torch"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
@@ -1022,7 +1032,8 @@ def check_partial_clip(mesh, backend="fsdp2"):
             opt.step()
         opt.zero_grad()
         outcome[clip] = [str(w.message) for w in caught if "were scaled after the backward" in str(w.message)]
-    report("partial_clip" if backend == "fsdp2" else "ddp_partial_clip", warned=per_rank_outcomes(outcome), **norms)
+    report("partial_clip" if backend == "fsdp2" else "ddp_partial_clip", warned=per_rank_outcomes(outcome),
+           stats=per_rank(stats), **norms)
 
 
 def check_order_modes(mesh):
