@@ -117,7 +117,7 @@ class Muon(torch.optim.Optimizer):
     - Runs on any device torch runs on; with CUDA tensors the products run on the GPU.
     """
 
-    refuses_empty_groups = True
+    _refuses_empty_groups = True  # dmuon's inner optimizer (dmuon/optim.py) turns it off
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon got an empty list of parameters: pass the model's hidden matrices, e.g. "
                                  "muon_param_groups(model)[0] (a model that has none needs no Muon)")
         super().__init__(params, defaults)
-        if self.refuses_empty_groups and not any(group["params"] for group in self.param_groups):
+        if self._refuses_empty_groups and not any(group["params"] for group in self.param_groups):
             raise ValueError("Muon got parameter groups that are all empty: give at least one group the model's "
                              "hidden matrices, e.g. [{'params': muon_param_groups(model)[0]}]")
 

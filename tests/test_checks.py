@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from dmuon_edu.course import pitfalls
+from dmuon_edu import accumulation
+from dmuon_edu.course import gpt, pitfalls
 from dmuon_edu.course.checks import RESULT_LINE, check, run_check
 
 
@@ -694,18 +695,13 @@ def test_every_named_floor_mistake_has_its_own_hint():
     assert len(set(hints)) == len(hints), hints
 
 
-def _package_functions():
-    import dmuon_edu
-    from dmuon_edu import accumulation
-    from dmuon_edu.course import gpt
-    return [("train_step_with_accumulation", dmuon_edu.train_step_with_accumulation, "the package's own"),
-            ("accumulation_windows", accumulation.accumulation_windows, "the package's own"),
-            ("summed_token_loss", accumulation.summed_token_loss, "the package's own"),
-            ("train_epoch", accumulation.train, "the package's own"),
-            ("is_hidden_matrix", gpt.is_hidden_matrix, "the package's own is_hidden_matrix")]
-
-
-@pytest.mark.parametrize("exercise, function, hint", _package_functions())
+@pytest.mark.parametrize("exercise, function, hint", [
+    ("train_step_with_accumulation", accumulation.train_step_with_accumulation, "the package's own"),
+    ("accumulation_windows", accumulation.accumulation_windows, "the package's own"),
+    ("summed_token_loss", accumulation.summed_token_loss, "the package's own"),
+    ("train_epoch", accumulation.train, "the package's own"),
+    ("is_hidden_matrix", gpt.is_hidden_matrix, "the package's own is_hidden_matrix"),
+])
 def test_the_packages_own_function_does_not_pass_its_exercise(exercise, function, hint):
     result = run_check(exercise, function)
     assert result.status == "FAIL" and hint in result.message, str(result)

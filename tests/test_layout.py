@@ -201,7 +201,8 @@ def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_module_of_the_package_imports_itself_through_others():
     # A circle works only while every import in it stays lazy, inside a function: one more top-level
     # import, and whichever module loads first fails half-initialised.
-    assert _a_cycle(_import_graph()) is None, " -> ".join(_a_cycle(_import_graph()))
+    circle = _a_cycle(_import_graph())
+    assert circle is None, " -> ".join(circle)
 
 
 def test_the_cycle_finder_finds_a_circle_and_only_one():

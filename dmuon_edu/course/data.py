@@ -7,8 +7,8 @@ distribution that depends on the k tokens before it, its *context*. Its entropy 
 
 is the lowest average next-token loss any model can reach once it has seen k tokens.
 Order 1 (module 3) needs only the previous token; the capstone's source has order 3, so no
-table of fewer than three tokens of context reaches its floor. Everything here is computed from the transition
-table by linear algebra, never by sampling. Nothing is downloaded.
+table of fewer than three tokens of context reaches its floor. Everything here is computed
+from the transition table by linear algebra, never by sampling. Nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
             device has no foreach kernels.
     """
     if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
-        raise TypeError(f"max_norm must be a number or None (measure only), got {describe(max_norm)}; 1.0 is the usual value")
+        raise TypeError(f"max_norm must be a number or None (measure only), got {describe(max_norm)}; "
+                        "1.0 is the usual value")
     if max_norm is not None and not 0 < max_norm < math.inf:
         raise ValueError(
             f"max_norm must be a finite number > 0 or None (measure only), got {max_norm!r}: 0 would zero every "

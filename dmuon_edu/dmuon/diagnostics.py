@@ -198,7 +198,6 @@ def _sizes(state: DMuonState, unit: Unit, p: nn.Parameter) -> tuple[int, int]:
     return broadcast, n * state.wire_dtype(unit, p).itemsize if p.requires_grad else 0
 
 
-
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 

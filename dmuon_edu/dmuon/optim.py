@@ -87,7 +87,7 @@ NAME_KEYS = ("group_name", "name")
 class _OwnerMuon(single_device.Muon):
     """dmuon_edu.muon.Muon orthogonalising with dmuon.Muon's ``ns_backend``."""
 
-    refuses_empty_groups = False  # a rank that owns no matrix steps empty groups
+    _refuses_empty_groups = False  # a rank that owns no matrix steps empty groups
 
     def __init__(self, params, backend: NewtonSchulz, **hyper):
         self.backend = backend

@@ -33,7 +33,7 @@ def _check_windows(candidate: Callable) -> tuple[str, str]:
 
 
 class _CountedBatches:
-    """10 batches that can be walked once, as a generator can, counting how many have been read."""
+    """10 batches, counting how many have been read; the check hands over ``iter()`` of it, a generator."""
 
     def __init__(self):
         self.read = 0

@@ -30,7 +30,7 @@ def _check_ns_step(candidate: Callable) -> tuple[str, str]:
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         return "FAIL", f"return a matrix of X's shape {tuple(X.shape)}, got {shape}; use A = X @ X.T (m x m) for a wide X"
     A = X @ X.T
-    expected = a * X + (b * A + c * A @ A) @ X
+    expected = _cheapest_ns_step(X, a, b, c)
     if torch.allclose(got, expected, atol=ATOL, rtol=0):
         return _check_ns_step_cost(candidate)
     mistakes = {
@@ -123,9 +123,9 @@ _LOOK_AHEADS = {"nesterov": lambda G, B, mu: G + mu * B, "none": lambda G, B, mu
 _MUON_MISTAKES = {
     ("none", True, True): "that is Muon without Nesterov: with nesterov=True the update is U = G + momentum * B",
     ("swapped", True, True): ("the look-ahead is swapped: Nesterov's U is the gradient plus momentum times the new "
-                        "buffer, G + momentum * B, not B + momentum * G"),
+                              "buffer, G + momentum * B, not B + momentum * G"),
     ("nesterov", False, True): ("the shape factor is sqrt(max(1, m / n)), sqrt(2) for this tall 6 x 3 W; "
-                          "sqrt(max(1, n / m)), or none, is 1 here"),
+                                "sqrt(max(1, n / m)), or none, is 1 here"),
     ("swapped", False, True): "that is your colleague's step, both of its mistakes still in it",
     ("nesterov", True, False): ("the update is not orthogonalised: O = newton_schulz(U) is what makes it Muon, "
                                 "every direction moved by the same amount"),
