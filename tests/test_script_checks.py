@@ -110,6 +110,8 @@ def test_a_wrong_answer_fails_with_the_hint_that_names_it(verdicts, variant):
     assert verdict["status"] == "FAIL", verdict
     for words in EXPECTED[variant]:
         assert words in verdict["message"], (words, verdict)
+    # a verdict a learner reads at once: two problems at most (the rest print above it)
+    assert verdict["message"].count("; and ") <= 1, verdict
 
 
 @pytest.mark.parametrize("variant", sorted(HONEST))

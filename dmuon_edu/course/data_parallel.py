@@ -41,6 +41,7 @@ ADAMW_TOLERANCE = 1e-5
 # ||averaged gradient|| / ||full-batch gradient||: float32 sums in another order move it by
 # ~1e-7; a sum left undivided makes it W (2 or 4), a gradient averaged twice 1/W.
 GRADIENT_RATIO_TOLERANCE = 1e-4
+VERDICT_PROBLEMS = 2  # a verdict names the first two problems a check found; the rest print above it
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,9 @@ def report(
     baseline (``hint`` says what to do when they differ), every ``traffic`` row
     against what it should cost, and, where given, ``gradient_ratios`` (the norm of
     the gradient each step used over the full-batch gradient's) against 1; ``findings``
-    are further problems the script measured (what a rank holds), each a FAIL. ``passed``
+    are further problems the script measured (what a rank holds), each a FAIL, named
+    first. The verdict names the first two problems; where there are more, all are
+    printed above it. ``passed``
     replaces the PASS message where the exercise is not the steps themselves (a prediction).
     ``collectives`` maps a row label to (calls, bytes) per optimizer step.
     If the script was given a path as its first argument, rank 0 also writes
@@ -154,17 +157,23 @@ def report(
         print0(f"{'per optimizer step':{width}}  calls     bytes")
         for label, (calls, nbytes) in collectives.items():
             print0(f"{label:{width}}  {calls:5d}  {nbytes:8d}")
-    problems = []
+    # The lesson's own measurements first, then the gradient, then the traffic it causes.
+    problems = list(findings)
     off = [ratio for ratio in gradient_ratios or () if not abs(ratio - 1) < GRADIENT_RATIO_TOLERANCE]
     if off:
         problems.append(_gradient_problem(off[0], dist.get_world_size()))
     problems += [problem for t in traffic if (problem := t.problem(*collectives[t.row])) is not None]
-    problems += findings
     bad = [step for step, difference in enumerate(differences, start=1) if not difference < ADAMW_TOLERANCE]
-    if bad:  # the hint only where nothing more specific says why
-        problems.insert(0, f"parameters left the baseline at step {bad[0]}" + ("" if problems else f": {hint}"))
+    if bad and not problems:  # the hint only where nothing more specific says why
+        problems = [f"parameters left the baseline at step {bad[0]}: {hint}"]
+    if len(problems) > VERDICT_PROBLEMS:  # the verdict stays short; every problem is still shown
+        print0("the check found:")
+        for problem in problems:
+            print0(f"  - {problem}")
     if problems:
-        result = CheckResult(exercise, "FAIL", "; and ".join(problems))
+        more = len(problems) - VERDICT_PROBLEMS
+        result = CheckResult(exercise, "FAIL", "; and ".join(problems[:VERDICT_PROBLEMS])
+                             + (f" (and {more} more above)" if more > 0 else ""))
     elif passed is not None:
         result = CheckResult(exercise, "PASS", passed)
     else:
