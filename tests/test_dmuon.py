@@ -133,26 +133,57 @@ def test_each_layer_broadcasts_ahead_of_its_use_and_reduces_once_per_owner(check
     assert c["max_abs_diff_between_schedules"] == 0.0, c
 
 
-def hsdp(checks, name):
+def two_by_two(checks, name):
     if name not in checks:
-        pytest.skip("HSDP is checked on 4 ranks, as 2 replicas x 2 shards")
+        pytest.skip("HSDP and tensor parallelism are checked on 4 ranks: 2 replicas x 2 shards, 2 dp x 2 tp")
     return checks[name]
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
 def test_hsdp_2x2_matches_single_process_full_batch(checks, mode):
     # The same tolerance as 1-D: averaging within each replica, then across, reorders the same sums.
-    c = hsdp(checks, f"equivalence_{mode}_no_sync_hsdp")
+    c = two_by_two(checks, f"equivalence_{mode}_no_sync_hsdp")
     assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
     assert c["clip_norm_rel_diff"] < 1e-5 and c["clipped_steps"] > 0, c
-    assert hsdp(checks, f"storage_{mode}_no_sync_hsdp")["ok_every_step_every_rank"]
+    assert two_by_two(checks, f"storage_{mode}_no_sync_hsdp")["ok_every_step_every_rank"]
 
 
 def test_hsdp_publishes_the_same_weights_async_or_not_and_resumes_exactly(checks):
-    c = hsdp(checks, "hsdp_publish")
+    c = two_by_two(checks, "hsdp_publish")
     # One owner per matrix, planned over all 4 ranks of both axes.
     assert c["owners"] == [0, 1, 2, 3], c
     assert c["max_abs_diff_between_schedules"] == 0.0 and c["max_abs_diff_after_resume"] == 0.0, c
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_tensor_parallel_2x2_matches_single_process_full_batch(checks, mode):
+    # (dp, tp) = (2, 2), no_sync over 3 micro-batches, clipping. Each TP owner orthogonalises the whole gathered
+    # matrix, so the sums are only reordered (the AVG reduce, RowwiseParallel's partial sums): the 1-D tolerance.
+    c = two_by_two(checks, f"equivalence_{mode}_no_sync_tp")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["clip_norm_rel_diff"] < 1e-5 and c["clipped_steps"] > 0, c
+    # a non-owner holds nothing of its TP shard between steps, an owner its whole shard
+    assert two_by_two(checks, f"storage_{mode}_no_sync_tp")["ok_every_step_every_rank"]
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_tensor_parallel_communicates_as_planned(checks, mode):
+    c = two_by_two(checks, f"comm_{mode}_no_sync_tp")
+    k = c["k"]
+    for counted, plan in zip(c["per_rank"], c["plan"]):
+        # every rank of a TP pair broadcasts and reduces its half of each matrix (its TP shard), within its column
+        assert plan["broadcast_tensor_bytes"] == plan["stage1_shard_reduce_tensor_bytes"] == c["dedicated_bytes"] // 2
+        assert counted["broadcast"] == (2 * k if c["zero3"] else 1) * plan["broadcast_tensor_bytes"], c
+        assert counted["reduce"] == plan["stage1_shard_reduce_tensor_bytes"], c  # once a window: no_sync
+        # once a step, the gradient shards gathered to the TP owner and the update scattered back, as planned
+        assert counted["gather"] == plan["tp_gather_tensor_bytes_this_rank"] > 0, c
+        assert counted["scatter"] == plan["tp_scatter_tensor_bytes_this_rank"] > 0, c
+
+
+def test_tensor_parallel_resumes_bit_identically(checks):
+    # Z2 through full state dicts and torch.save, Z3 through torch.distributed.checkpoint: a fresh model takes
+    # step 3 exactly as the one that trained steps 1 and 2 (the TP owners' full momentum comes back)
+    assert two_by_two(checks, "tp_resume")["max_abs_diff_after_resume"] == {"z2": 0.0, "z3": 0.0}
 
 
 def test_no_sync_divides_reduce_bytes_by_k(checks):

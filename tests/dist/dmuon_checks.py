@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -138,8 +139,35 @@ def hsdp_mesh(device_type):
     return HSDP_MESH[0]
 
 
+TP_MESH = []  # built once: (dp, tp) = (world / 2, 2)
+
+
+def tp_mesh(device_type):
+    if not TP_MESH:
+        TP_MESH.append(init_device_mesh(device_type, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")))
+    return TP_MESH[0]
+
+
+def data_coordinates(tp=False):
+    """(index, count) of this rank's share of the data: its DP index under tensor parallelism, where the
+    two ranks of a TP group compute on the same micro-batches."""
+    if tp:
+        dp = tp_mesh(DEVICE[0].type)["dp"]
+        return dp.get_local_rank(), dp.size()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def parallelize(model, mesh):
+    """Megatron-style TP on every block: q and k column-parallel, gathered back (the block adds them to the
+    residual stream); the MLP's up_proj column-parallel (bias too), down_proj row-parallel."""
+    gathered = ColwiseParallel(output_layouts=Replicate())
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {"q_proj": gathered, "k_proj": gathered,
+                                               "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+
+
 def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False, hsdp=False,
-          replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, **dedicate_kwargs):
+          replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, tp=False, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net(tied, checkpointed).to(mesh.device_type)
     if wrapped:  # each block in a CheckpointWrapper: its names gain "_checkpoint_wrapped_module."
@@ -151,6 +179,11 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
         dmuon.dedicate_params(model, mesh2d["shard"], predicate, reshard_after_forward=zero3,
                               replicate_mesh=mesh2d["replicate"])
         mesh = mesh2d
+    elif tp:  # the public tp-dp order: TP, then dedicate_params and fully_shard on the DP axis
+        mesh2d = tp_mesh(mesh.device_type)
+        parallelize(model, mesh2d)
+        mesh = mesh2d["dp"]
+        dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3, **dedicate_kwargs)
     else:
         dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3, **dedicate_kwargs)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
@@ -207,10 +240,10 @@ def schedule(step):
     return 1.0 / (1.0 + step)
 
 
-def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False):
+def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp=False):
     """One optimizer step over this rank's micro-batches (the forward under bf16 autocast with ``autocast``);
     the global gradient norm before clipping."""
-    world = dist.get_world_size()
+    _, world = data_coordinates(tp)
     for j, (x, y) in enumerate(mine):
         ctx = dmuon.no_sync(model) if use_no_sync and j < K - 1 else contextlib.nullcontext()
         with ctx:
@@ -235,11 +268,11 @@ def max_difference(model, other):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-def step_both_and_compare(trained, resumed):
+def step_both_and_compare(trained, resumed, tp=False):
     """Train the window of step 2 on both (model, optimizer, scheduler); their max parameter difference after."""
-    mine, _, total = window(2, dist.get_rank(), dist.get_world_size())
+    mine, _, total = window(2, *data_coordinates(tp))
     for model, opt, sched in (trained, resumed):
-        train_window(model, opt, sched, mine, total, use_no_sync=True)
+        train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp)
     return max_difference(trained[0], resumed[0])
 
 
@@ -249,12 +282,12 @@ def full_params(model):
     return {k: v.cpu() for k, v in sd.items() if k in names}
 
 
-def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, hsdp=False):
+def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, hsdp=False, tp=False):
     """Train dmuon and the single-process reference side by side; compare after every step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = data_coordinates(tp)
     label = (f"{'z3' if zero3 else 'z2'}_{'no_sync' if use_no_sync else 'sync_every_micro_batch'}"
-             f"{'_tied' * tied}{'_checkpointed' * checkpointed}{'_hsdp' * hsdp}")
-    model, opt = build(mesh, zero3, tied=tied, checkpointed=checkpointed, hsdp=hsdp)
+             f"{'_tied' * tied}{'_checkpointed' * checkpointed}{'_hsdp' * hsdp}{'_tp' * tp}")
+    model, opt = build(mesh, zero3, tied=tied, checkpointed=checkpointed, hsdp=hsdp, tp=tp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     torch.manual_seed(0)
     ref = Net(tied)
@@ -268,9 +301,9 @@ def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, 
         mine, (x, y), total = window(step, rank, world)
         counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
         with counter:
-            norm = train_window(model, opt, sched, mine, total, use_no_sync)
+            norm = train_window(model, opt, sched, mine, total, use_no_sync, tp=tp)
         if step == 1:
-            comm = {"broadcast": counter.bytes.get("broadcast", 0), "reduce": counter.bytes.get("reduce", 0),
+            comm = {**{name: counter.bytes.get(name, 0) for name in ("broadcast", "reduce", "gather", "scatter")},
                     "broadcast_calls": counter.calls.get("broadcast", 0), "reduce_calls": counter.calls.get("reduce", 0)}
         storage.append(_storage_ok(model))
 
@@ -688,9 +721,11 @@ def _shape_of(name):
 
 
 def _storage_ok(model):
-    """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them."""
+    """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them (under
+    tensor parallelism: all of its TP shard)."""
     state = model._dmuon
-    owned = sum(p.numel() * p.element_size() for p in state.params.values() if state.owns(p))
+    owned = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for p in state.params.values()
+                if state.owns(p))
     return dmuon.held_bytes(model) == owned and not any(
         is_resident(p) for p in state.params.values() if not state.owns(p))
 
@@ -803,6 +838,42 @@ def check_state_dict(mesh, directory):
     report("state_dict_roundtrip",
            max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched)),
            lr_after=[g["lr"] for g in fresh_opt.param_groups], lr_expected=[g["lr"] for g in opt.param_groups])
+
+
+def check_tp_resume(mesh, directory):
+    """Tensor parallel (dp, tp) = (W/2, 2): two steps, a save, a fresh model loads it and both take step 3.
+    Z2 through the documented flow (full state dicts, torch.save on rank 0, torch.load on every rank), Z3
+    through torch.distributed.checkpoint (sharded state dicts)."""
+    rank, world = data_coordinates(tp=True)
+    resumed = {}
+    for zero3 in (False, True):
+        model, opt = build(mesh, zero3, tp=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for step in range(2):
+            mine, _, total = window(step, rank, world)
+            train_window(model, opt, sched, mine, total, use_no_sync=True, tp=True)
+        fresh, fresh_opt = build(mesh, zero3, seed=123, tp=True)
+        fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+        fresh_sched.load_state_dict(sched.state_dict())
+        if zero3:
+            sharded = dmuon.StateDictOptions()
+            dcp.save({"model": dmuon.get_model_state_dict(model, sharded),
+                      "optim": dmuon.get_optimizer_state_dict(model, opt, sharded)}, checkpoint_id=f"{directory}/tp")
+            loaded = {"model": dmuon.get_model_state_dict(fresh, sharded),
+                      "optim": dmuon.get_optimizer_state_dict(fresh, fresh_opt, sharded)}
+            dcp.load(loaded, checkpoint_id=f"{directory}/tp")
+        else:
+            path = f"{directory}/tp-full.pt"
+            saved = {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)}
+            if dist.get_rank() == 0:
+                torch.save(saved, path)
+            distributed.barrier()
+            loaded = torch.load(path, weights_only=False)
+        dmuon.set_model_state_dict(fresh, loaded["model"])
+        dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
+        resumed["z3" if zero3 else "z2"] = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched),
+                                                                 tp=True)
+    report("tp_resume", max_abs_diff_after_resume=resumed)
 
 
 def check_hook_boundaries(mesh):
@@ -1254,10 +1325,12 @@ def main():
                 check_equivalence(mesh, zero3, use_no_sync=True, checkpointed=True)
                 check_mixed_precision(mesh, zero3)
         check_state_dict(mesh, directory)
-        if ranks.world_size == 4:  # HSDP as 2 x 2
+        if ranks.world_size == 4:  # HSDP as 2 x 2, tensor parallelism as (dp, tp) = (2, 2)
             for zero3 in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync=True, hsdp=True)
+                check_equivalence(mesh, zero3, use_no_sync=True, tp=True)
             check_hsdp_publish(mesh, directory)
+            check_tp_resume(mesh, directory)
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
