@@ -186,6 +186,22 @@ def test_tensor_parallel_resumes_bit_identically(checks):
     assert two_by_two(checks, "tp_resume")["max_abs_diff_after_resume"] == {"z2": 0.0, "z3": 0.0}
 
 
+def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
+    # dedicate_params_ddp_tp + replicate_tp on (dp, tp) = (2, 2), 3 steps of 3 unequal micro-batches with no_sync,
+    # clipping and an lr schedule: the same float32 reordering as FSDP2 + TP, so the same tolerance
+    c = two_by_two(checks, "ddp_tp")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    # every rank keeps its whole TP shard of every matrix; per step each DP owner's shard is reduced once (no_sync)
+    # and broadcast once after the step, and the TP owners gather and scatter as summarize_comm_plan plans
+    assert c["held_everywhere"], c
+    for counted, plan in zip(c["per_rank"], c["plan"]):
+        assert counted == plan and counted["reduce"] == counted["broadcast"] == c["dedicated_bytes"] // 2, c
+        assert counted["gather"] > 0 and counted["scatter"] > 0, c
+    assert c["max_abs_diff_after_resume"] == 0.0, c  # full state dicts: bit for bit
+    assert "dedicate_params_ddp_tp" in c["refusals"]["dedicate_params_ddp"], c
+    assert "replicate_tp" in c["refusals"]["replicate"], c
+
+
 def test_no_sync_divides_reduce_bytes_by_k(checks):
     with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
     assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]
@@ -533,6 +549,13 @@ def test_dedicate_params_after_fully_shard_is_refused_by_name_on_every_rank(chec
 def test_ranks_that_dedicate_different_matrices_are_refused_on_every_rank_naming_the_first(checks):
     for message in real_use(checks, "misuse")["rank_dependent_predicate"]:
         assert message and "selected different matrices" in message and "layers.1.k_proj.weight" in message, message
+
+
+def test_pipeline_stages_are_refused_on_every_rank_naming_the_layout(checks):
+    # each rank holds other layers (a pipeline stage): refused before any broadcast could pair two layers
+    for message in real_use(checks, "misuse")["pipeline_stages"]:
+        assert message and "selected different matrices" in message, message
+        assert "dmuon does not support pipeline parallelism" in message and "dmuon_edu.Muon" in message, message
 
 
 def test_a_rank_that_never_calls_dedicate_params_ends_the_others_at_a_bounded_timeout(checks):

@@ -47,7 +47,10 @@ replicate_async=True)``, the default).
 The DDP backend (``dedicate_params_ddp(model, mesh, predicate)``, then ``replicate(model,
 mesh)`` instead of fully_shard; ddp.py): every rank keeps every matrix whole, the owner
 receives its averaged gradient and runs Muon on it, and after the step broadcasts the result
-to every rank; replicate all-reduces the other gradients, as DDP does.
+to every rank; replicate all-reduces the other gradients, as DDP does. DDP + TP
+(``dedicate_params_ddp_tp(model, mesh["dp"], predicate)``, then ``replicate_tp(model,
+mesh["dp"])``, after parallelize_module): the same within each TP column, a TP-sharded
+matrix's DP owners sending their shards to its TP owner for Newton-Schulz, as above.
 
 Same order on every rank. A collective pairs the n-th call of every rank, so every
 rank must run the same dedicated layers in the same order. Each rank describes every
@@ -71,7 +74,7 @@ Modules, each importing only those before it: plan.py (owners), names.py (names
 without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
 placeholders), order.py (the same collectives on every rank), boundary.py (hook
 boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
-residency and gradient hooks, no_sync, ownership), ddp.py (dedicate_params_ddp, replicate), clip.py (clip_grad_norm_),
+residency and gradient hooks, no_sync, ownership), ddp.py (dedicate_params_ddp, replicate, and their TP forms), clip.py (clip_grad_norm_),
 ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
 diagnostics.py (summaries of the plan and the groups).
 """
@@ -79,7 +82,7 @@ diagnostics.py (summaries of the plan and the groups).
 from dmuon_edu.distributed import count_collectives as count_comm
 
 from .clip import MuonGradClipStats, clip_grad_norm_
-from .ddp import dedicate_params_ddp, replicate
+from .ddp import dedicate_params_ddp, dedicate_params_ddp_tp, replicate, replicate_tp
 from .dedicate import dedicate_params, held_bytes, in_flight_bytes, no_sync, ownership
 from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
 from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
@@ -97,7 +100,9 @@ from .state import (
 __all__ = [
     "dedicate_params",
     "dedicate_params_ddp",
+    "dedicate_params_ddp_tp",
     "replicate",
+    "replicate_tp",
     "plan_owners",
     "imbalance",
     "no_sync",

@@ -165,9 +165,11 @@ def _gradients(state: DMuonState, model: nn.Module | None,
             (shards if isinstance(p.grad, DTensor) else replicated).append(p.grad)
     local = dedicated + [g.to_local() for g in shards] + replicated
     # A shard is the same in every replica (and, unless it is tensor-parallel too, in every TP column: tp.py), a
-    # plain gradient on every rank. A TP-sharded dedicated matrix's shards are disjoint: each counts.
+    # plain gradient on every rank. A TP-sharded dedicated matrix's shards are disjoint: each counts. The DDP
+    # backend's DTensors are TP shards, whole on every DP rank: those of DP index 0 count.
+    first_copy = state.rank == 0 if state.holds_every_matrix else state.replica == 0
     counted = dedicated + ([g.to_local() for g in shards if state.tp_index == 0
-                            or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if state.replica == 0 else []) + (
+                            or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if first_copy else []) + (
         replicated if dist.get_rank() == 0 else [])
     return local, counted
 

@@ -49,16 +49,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dmuon_edu.arguments import require_module
 
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver
+from . import tp
 from .dedicate import (
     DMuonState,
     InFlight,
     Unit,
+    _local,
     _outside_dynamo,
+    _require_predicate,
     _set_data,
     dedicate,
     finish_packed_broadcasts,
@@ -68,7 +72,7 @@ from .dedicate import (
 )
 from .policy import PolicyFn
 
-__all__ = ["dedicate_params_ddp", "replicate", "DDPState", "Replicated"]
+__all__ = ["dedicate_params_ddp", "dedicate_params_ddp_tp", "replicate", "replicate_tp", "DDPState", "Replicated"]
 
 # DDP's own default bucket size is 25 MiB; smaller buckets start the first all-reduce earlier in a small
 # model's backward, and the per-call cost is small next to a bucket's transfer.
@@ -100,10 +104,7 @@ class DDPState(DMuonState):
     replicated: Replicated | None = None  # set by replicate()
 
     def owns(self, p: nn.Parameter) -> bool:
-        return True  # every rank keeps the whole matrix
-
-    def steps(self, p: nn.Parameter) -> bool:
-        return self.owner_of(p) == self.rank
+        return True  # every rank keeps the whole matrix (under tensor parallelism: its whole TP shard)
 
     def issue_broadcasts(self, unit: Unit) -> None:
         """Before a unit's first forward after a step: the step's results have landed, and each matrix is
@@ -157,7 +158,8 @@ class DDPState(DMuonState):
         group = self.replicated
         params = group.buckets[index]
         group.ready[index].clear()
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                          for p in params])
         description = f"the all-reduce of replicated gradients, bucket {index} ({flat.numel()} values of {flat.dtype})"
         event = self.order.check(description)
         work = dist.all_reduce(flat, group=self.group, op=dist.ReduceOp.AVG, async_op=True)
@@ -176,8 +178,11 @@ class DDPState(DMuonState):
                 sent.work.wait()
             offset = 0
             for p in sent.params:
-                p.grad = sent.flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+                local = _local(p)
+                average = sent.flat[offset : offset + local.numel()].view_as(local)
+                p.grad = (DTensor.from_local(average, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                          if isinstance(p, DTensor) else average)  # a TP shard's gradient is a DTensor like it
+                offset += local.numel()
         group.reducing.clear()
 
 
@@ -217,9 +222,73 @@ def dedicate_params_ddp(
         TypeError: ``mesh`` is not a DeviceMesh, or as ``dedicate_params``.
     """
     require_module("dedicate_params_ddp", model, "pass the model itself, before dmuon.replicate")
+    _require_predicate(predicate)
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):  # (a sharded model: refused by dedicate())
+        tensor_parallel = next((n for n, p in model.named_parameters() if isinstance(p, DTensor) and predicate(n, p)),
+                               None)
+        if tensor_parallel is not None:
+            raise ValueError(
+                f"{tensor_parallel} is a DTensor (tensor parallel), which dedicate_params_ddp does not take: call "
+                "dmuon.dedicate_params_ddp_tp(model, mesh['dp'], predicate), then dmuon.replicate_tp(model, mesh['dp'])"
+            )
     _require_data_parallel_mesh("dedicate_params_ddp", mesh)
     return dedicate(DDPState, model, mesh, predicate, compute_dtype, False, None, hook_boundary_predicate,
                     hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn)
+
+
+def dedicate_params_ddp_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    compute_dtype: torch.dtype | str | None = None,
+    hook_boundary_predicate: HookBoundaryPredicate | None = None,
+    hook_boundary_strict: bool = True,
+    hook_boundary_resolver: HookBoundaryResolver | None = None,
+    *,
+    param_policy: Mapping[str, Any] | None = None,
+    param_policy_fn: PolicyFn | None = None,
+) -> dict[str, int]:
+    """The DDP backend for a tensor-parallel model: call it on ``mesh["dp"]`` after ``parallelize_module``.
+
+    The public dmuon project's DDP + TP order::
+
+        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(layer.attn, mesh["tp"], {...})
+        dmuon.dedicate_params_ddp_tp(model, mesh["dp"], predicate)
+        dmuon.replicate_tp(model, mesh["dp"])
+        optimizer = dmuon.Muon(model, ...)
+
+    Every rank keeps its whole TP shard of every matrix, as under DDP. Within each TP
+    column (the ranks of one TP index) a matrix's DP owner receives its shard's averaged
+    gradient; the DP owners of one TP group send their shards to the matrix's TP owner,
+    which runs Muon on the whole matrix and scatters the update's shards back (tp.py);
+    after ``step()`` each DP owner broadcasts its updated shard over its column. A matrix
+    that is not TP-sharded takes the DDP path of :func:`dedicate_params_ddp`. The
+    arguments mean what they mean there.
+
+    Returns:
+        ``{name: owner's global rank}``: a TP-sharded matrix's TP owner.
+
+    Raises:
+        ValueError: ``mesh`` is not the data-parallel axis beside the matrices' tensor-
+            parallel one, or what ``dedicate_params_ddp`` and tp.py refuse.
+        RuntimeError, TypeError: as ``dedicate_params_ddp``.
+    """
+    require_module("dedicate_params_ddp_tp", model, "pass the model itself, after parallelize_module and before "
+                                                     "dmuon.replicate_tp")
+    _require_one_dimensional("dedicate_params_ddp_tp", mesh)
+    _require_predicate(predicate)
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())  # refused by dedicate(), naming the order
+    tp_mesh = None if sharded else tp.find_tp_mesh(model, predicate, mesh, None)
+    if tp_mesh is None:  # no TP-sharded matrix: the plain DDP backend
+        _require_data_parallel_mesh("dedicate_params_ddp_tp", mesh)
+    elif mesh.size() * tp_mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"the data-parallel mesh ({mesh.size()} ranks) times the tensor-parallel mesh ({tp_mesh.size()}) is not "
+            f"the process group's {dist.get_world_size()} ranks: pass mesh['dp'] of the (dp, tp) mesh the TP plan used"
+        )
+    return dedicate(DDPState, model, mesh, predicate, compute_dtype, False, None, hook_boundary_predicate,
+                    hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn, tp_mesh=tp_mesh)
 
 
 def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -234,36 +303,69 @@ def replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     itself is returned and gains ``model.no_sync()``, the same as ``dmuon.no_sync(model)``.
 
     Raises:
-        ValueError: ``dedicate_params_ddp`` was not called on ``model``, or ``mesh`` is not
+        ValueError: ``dedicate_params_ddp`` was not called on ``model`` (or
+            ``dedicate_params_ddp_tp`` was: use :func:`replicate_tp`), or ``mesh`` is not
             its mesh's ranks.
         RuntimeError: ``replicate`` was already called, or a parameter is a DTensor
             (fully_shard's, or tensor parallel's: not supported by this backend).
     """
     require_module("replicate", model, "pass the model that dmuon.dedicate_params_ddp prepared")
+    state = _ddp_state("replicate", model)
+    if state.tp_name is not None:
+        raise ValueError("this model's matrices are tensor-parallel (dmuon.dedicate_params_ddp_tp prepared it): call "
+                         "dmuon.replicate_tp(model, mesh['dp']), which averages the TP shards' gradients over mesh['dp']")
     _require_data_parallel_mesh("replicate", mesh)
+    return _replicate("replicate", model, state, mesh)
+
+
+def replicate_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """:func:`replicate` for a tensor-parallel model: call it after :func:`dedicate_params_ddp_tp`, on the same
+    ``mesh["dp"]``. A parameter that is a TP DTensor (a ColwiseParallel bias, say) has its local shard's
+    gradient averaged over ``mesh`` and keeps its TP layout.
+
+    Raises:
+        ValueError: ``dedicate_params_ddp_tp`` was not called on ``model``, or ``mesh`` is not its mesh's ranks.
+        RuntimeError: ``replicate_tp`` was already called, or a parameter is a DTensor on another mesh than the
+            matrices' TP mesh (fully_shard's, say).
+    """
+    require_module("replicate_tp", model, "pass the model that dmuon.dedicate_params_ddp_tp prepared")
+    state = _ddp_state("replicate_tp", model)
+    _require_one_dimensional("replicate_tp", mesh)
+    return _replicate("replicate_tp", model, state, mesh)
+
+
+def _ddp_state(entry: str, model: nn.Module) -> DDPState:
     state = getattr(model, "_dmuon", None)
     if not isinstance(state, DDPState):
+        ddp_entry = "dedicate_params_ddp_tp" if entry == "replicate_tp" else "dedicate_params_ddp"
         raise ValueError(
-            "dmuon.replicate is the DDP backend's companion: call dmuon.dedicate_params_ddp(model, mesh, predicate) "
+            f"dmuon.{entry} is the DDP backend's companion: call dmuon.{ddp_entry}(model, mesh, predicate) "
             "first" + (" (this model was prepared by dedicate_params, whose other parameters fully_shard shards)"
                        if state is not None else "")
         )
+    return state
+
+
+def _replicate(entry: str, model: nn.Module, state: DDPState, mesh: DeviceMesh) -> nn.Module:
     if dist.get_process_group_ranks(mesh.get_group()) != dist.get_process_group_ranks(state.group):
-        raise ValueError("replicate's mesh must span the ranks of dedicate_params_ddp's mesh: pass the same mesh")
+        raise ValueError(f"{entry}'s mesh must span the ranks of the dedicate call's mesh: pass the same mesh")
     if state.replicated is not None:
-        raise RuntimeError("dmuon.replicate was already called on this model; call it once")
+        raise RuntimeError(f"dmuon.{entry} was already called on this model; call it once")
     names = {id(p): name for name, p in model.named_parameters()}
     params = [p for p in model.parameters() if p.requires_grad and p not in state.name_of]
-    sharded = next((names[id(p)] for p in params if isinstance(p, DTensor)), None)
+    sharded = next((names[id(p)] for p in params if isinstance(p, DTensor) and not (
+        entry == "replicate_tp" and p.device_mesh.mesh_dim_names == (state.tp_name,))), None)
     if sharded is not None:
         raise RuntimeError(
-            f"{sharded} is a DTensor (sharded by fully_shard or tensor parallelism): dmuon.replicate averages whole "
-            "tensors. Use dedicate_params with fully_shard for a sharded model"
+            f"{sharded} is a DTensor (sharded by fully_shard{'' if entry == 'replicate_tp' else ' or tensor parallelism'}"
+            f"): dmuon.{entry} averages whole tensors{' and TP shards' if entry == 'replicate_tp' else ''}. Use "
+            "dedicate_params with fully_shard for a sharded model"
+            + ("" if entry == "replicate_tp" else ", or dedicate_params_ddp_tp and replicate_tp for tensor parallelism")
         )
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in reversed(params):  # backward produces gradients roughly in reverse model order
-        nbytes = p.numel() * p.element_size()
+        nbytes = _local(p).numel() * p.element_size()
         if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != p.dtype:
             buckets.append([])
             size = 0
@@ -283,14 +385,19 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     return list(state.replicated.params) if isinstance(state, DDPState) and state.replicated is not None else []
 
 
-def _require_data_parallel_mesh(entry: str, mesh) -> None:
+def _require_one_dimensional(entry: str, mesh) -> None:
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         what = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
         raise (ValueError if isinstance(mesh, DeviceMesh) else TypeError)(
             f"{entry} needs a 1-D DeviceMesh over the data-parallel ranks, got {what}: use "
-            "init_device_mesh(device_type, (world_size,)). For HSDP use dedicate_params(model, mesh2d['shard'], "
+            "init_device_mesh(device_type, (world_size,)), or mesh['dp'] of a (dp, tp) mesh with "
+            "dedicate_params_ddp_tp. For HSDP use dedicate_params(model, mesh2d['shard'], "
             "predicate, replicate_mesh=mesh2d['replicate']) with fully_shard"
         )
+
+
+def _require_data_parallel_mesh(entry: str, mesh) -> None:
+    _require_one_dimensional(entry, mesh)
     world = dist.get_world_size() if dist.is_initialized() else None
     if mesh.size() != world:
         raise ValueError(

@@ -176,15 +176,20 @@ class DMuonState:
         replicate mesh there is one holder per replica, all at this index."""
         return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
 
-    def owns(self, p: nn.Parameter) -> bool:
-        """Whether this rank holds the whole matrix between uses."""
+    def receives_gradient(self, p: nn.Parameter) -> bool:
+        """Whether this rank is the matrix's holder in its replica (and TP column): the rank its averaged
+        gradient is reduced to."""
         return self.owner_of(p) == self.rank
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether this rank holds the whole matrix between uses: its holder only."""
+        return self.receives_gradient(p)
 
     def steps(self, p: nn.Parameter) -> bool:
         """Whether this rank is the matrix's one owner: its holder in the replica that steps it (for a TP-sharded
         matrix, the holder at its TP owner's index: tp.py)."""
         tp = getattr(p, "_dmuon_tp", None)
-        return self.owns(p) and p._dmuon_replica == self.replica and (tp is None or tp.index == tp.owner)
+        return self.receives_gradient(p) and p._dmuon_replica == self.replica and (tp is None or tp.index == tp.owner)
 
     @staticmethod
     def stepped(p: nn.Parameter) -> torch.Tensor:
@@ -641,7 +646,8 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
             raise ValueError(
                 f"{name} is a DTensor (tensor parallel), which {entry} does not take: tensor parallelism goes with "
                 "dmuon.dedicate_params(model, mesh['dp'], ...) on a (dp, tp) mesh with mesh_dim_names, then "
-                "fully_shard(..., mesh=mesh['dp'])"
+                "fully_shard(..., mesh=mesh['dp']); or, for the DDP backend, dmuon.dedicate_params_ddp_tp(model, "
+                "mesh['dp'], ...), then dmuon.replicate_tp(model, mesh['dp'])"
             )
         if tp.shard_dim(p, tp_mesh) is not None and routes[name] != "muon":
             raise ValueError(
@@ -707,13 +713,14 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
         p._dmuon_replica = plan[name] // shards
-        local = _local(p) if isinstance(p, DTensor) else p.data  # a DTensor's local tensor: its shard
+        # a DTensor's local tensor (its shard), outside autograd: the master is written in place
+        local = _local(p).detach() if isinstance(p, DTensor) else p.data
         p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = local.shape, p.dtype, local
         p._dmuon_policy = policy_of[name]
         if name in tp_sharded:
             p._dmuon_tp = tp.TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
                                      tp_owner[name], p.shape, tp_order)
-            if state.owns(p) and p._dmuon_tp.index == p._dmuon_tp.owner:
+            if state.receives_gradient(p) and p._dmuon_tp.index == p._dmuon_tp.owner:
                 p._dmuon_tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=local.device)
                 p._dmuon_tp.proxy._reduced_grad = None
         p._reduced_grad = None
@@ -764,11 +771,15 @@ def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: 
     for _, theirs, _, rank in everyone:
         if theirs != mine:
             first = next((a, b) for a, b in itertools.zip_longest(mine, theirs) if a != b)
+            stages = ("" if {m[0] for m in theirs} & {m[0] for m in mine} else
+                      " No name is on both ranks: if each holds a pipeline stage, dmuon does not support pipeline "
+                      "parallelism (every rank of its mesh holds the whole model, or its TP shards); step a stage's "
+                      "matrices with dmuon_edu.Muon on each rank instead, or use FSDP2, HSDP or TP with dmuon.")
             raise RuntimeError(
                 f"{entry}: rank {dist.get_rank()} and rank {rank} selected different matrices; the first "
                 f"difference is {first[0]} here and {first[1]} there (name, shape, dtype, param_dtype, grad_dtype, "
                 "optimizer). The predicate and the policy must select the same on every rank: make them depend "
-                "on names and shapes only"
+                f"on names and shapes only.{stages}"
             )
     rank_at = {coordinates: rank for _, _, coordinates, rank in everyone}
     grid = {(r, s) for r in range(replicate_mesh.size() if replicate_mesh is not None else 1) for s in range(mesh.size())}

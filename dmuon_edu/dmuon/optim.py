@@ -193,8 +193,8 @@ class Muon(torch.optim.Optimizer):
                      and p.requires_grad and not isinstance(p, DTensor)]
         # One rank needs no average, but the DDP backend's call order is refused anywhere (as the public one does).
         if unsharded and (self._dmuon.world_size > 1 or self._dmuon.holds_every_matrix):
-            fix = ("call dmuon.replicate(model, mesh) before building dmuon.Muon"
-                   if self._dmuon.holds_every_matrix else
+            fix = (f"call dmuon.{'replicate_tp' if self._dmuon.tp_name else 'replicate'}(model, mesh) before "
+                   "building dmuon.Muon" if self._dmuon.holds_every_matrix else
                    "fully_shard the layers and the model before building dmuon.Muon")
             raise ValueError(
                 f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor "

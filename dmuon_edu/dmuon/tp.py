@@ -28,6 +28,10 @@ orthogonalised matrix):
 3. scatter: each DP owner receives its shard of the update and applies it to its shard
    after the decoupled weight decay: W <- (1 - lr wd) W + update, Muon's step in two parts.
 
+The DDP backend (``dedicate_params_ddp_tp(model, mesh["dp"], ...)`` and ``replicate_tp``,
+ddp.py) takes the same three steps; there every DP rank keeps its shard whole, and after
+step 3 each DP owner broadcasts its updated shard over its TP column.
+
 Bytes per step, per TP group of one DP owner: the gather and the scatter each carry the
 matrix once (the whole tensor counted on every rank taking part, as count_comm counts).
 A non-owner's TP shard is a DTensor whose local tensor is empty between uses (DTensor's
@@ -124,7 +128,7 @@ def shard_dim(p: torch.Tensor, tp_mesh: DeviceMesh | None) -> int | None:
 def _proxies(state) -> list[tuple[nn.Parameter, TPShard]]:
     """The TP-sharded matrices this rank holds (it is their DP owner in its column), in model order."""
     return [(p, p._dmuon_tp) for p in state.params.values()
-            if getattr(p, "_dmuon_tp", None) is not None and state.owns(p)]
+            if getattr(p, "_dmuon_tp", None) is not None and state.receives_gradient(p)]
 
 
 def gather_gradients(state) -> None:

@@ -209,9 +209,9 @@ def reference_optimizers(ref, selects, muon_class=muon.Muon):
             torch.optim.AdamW([p for n, p in ref.named_parameters() if not selects(n, p)], **ADAMW)]
 
 
-def reference_step(ref, optimizers, step):
+def reference_step(ref, optimizers, step, tp=False):
     """One step of the single-process reference on step ``step``'s whole global batch, clipped like dmuon."""
-    _, (x, y), total = window(step, dist.get_rank(), dist.get_world_size())
+    _, (x, y), total = window(step, *data_coordinates(tp))
     F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
     for o in optimizers:
@@ -574,6 +574,12 @@ def check_misuse(mesh):
     skewed = Net().to(mesh.device_type)
     outcome["rank_dependent_predicate"] = error_of(lambda: dmuon.dedicate_params(
         skewed, mesh, lambda n, p: predicate(n, p) and not (rank == 1 and n == "layers.1.k_proj.weight")))
+    # A pipeline stage per rank (torchtitan's split: each keeps its layers under their own names): refused.
+    torch.manual_seed(0)
+    stage = Net().to(mesh.device_type)
+    stage.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(stage.layers) if i % world == rank})
+    stage.embed, stage.head = (stage.embed, None) if rank == 0 else (None, stage.head)
+    outcome["pipeline_stages"] = error_of(lambda: dmuon.dedicate_params(stage, mesh, predicate))
     # One rank never calls dedicate_params: the others give up at the group's timeout, with a message.
     short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
     if rank == 0:
@@ -1164,12 +1170,73 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, muon_kwargs=None, **dedicate_kwargs):
+def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net().to(mesh.device_type)
-    dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
-    dmuon.replicate(model, mesh)
+    if tp:  # the public DDP + TP order: TP, then dedicate_params_ddp_tp and replicate_tp on the DP axis
+        mesh2d = tp_mesh(mesh.device_type)
+        parallelize(model, mesh2d)
+        dmuon.dedicate_params_ddp_tp(model, mesh2d["dp"], predicate, **dedicate_kwargs)
+        dmuon.replicate_tp(model, mesh2d["dp"])
+    else:
+        dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
+        dmuon.replicate(model, mesh)
     return model, muon_of(model, **(muon_kwargs or {}))
+
+
+def check_ddp_tp(mesh):
+    """dedicate_params_ddp_tp + replicate_tp on (dp, tp) = (W/2, 2): 3 steps with no_sync and clipping against one
+    process, one step's collectives against the plan, what each rank holds, and a resume from full state dicts."""
+    rank, world = data_coordinates(tp=True)
+    model, opt = build_ddp(mesh, tp=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = _initial_model()
+    ref_optimizers = reference_optimizers(ref, predicate)
+    ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in ref_optimizers]
+    max_diff = 0.0
+    for step in range(STEPS):
+        mine, _, total = window(step, rank, world)
+        counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
+        with counter:
+            train_window(model, opt, sched, mine, total, use_no_sync=True, tp=True)
+        if step == 1:
+            comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "gather", "scatter")}
+        reference_step(ref, ref_optimizers, step, tp=True)
+        for s in ref_scheds:
+            s.step()
+        ours = full_params(model)
+        max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
+    totals = dmuon.summarize_comm_plan(model)["totals"]
+    plan = {"reduce": totals["stage1_shard_reduce_tensor_bytes"], "broadcast": totals["broadcast_tensor_bytes"],
+            "gather": totals["tp_gather_tensor_bytes_this_rank"], "scatter": totals["tp_scatter_tensor_bytes_this_rank"]}
+    local_bytes = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for p in model._dmuon.params.values())
+
+    weights = dmuon.get_model_state_dict(model, rank0_only=False)
+    state = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    fresh, fresh_opt = build_ddp(mesh, seed=123, tp=True)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
+    fresh_sched.load_state_dict(sched.state_dict())
+    dmuon.set_model_state_dict(fresh, weights)
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, state)
+    # The wrong entry point for each half of DDP + TP is refused on every rank, naming the right one.
+    refusals = {}
+    torch.manual_seed(0)
+    plain = Net()
+    parallelize(plain, tp_mesh(mesh.device_type))
+    dp = tp_mesh(mesh.device_type)["dp"]
+    for what, call in (("dedicate_params_ddp", lambda: dmuon.dedicate_params_ddp(plain, dp, predicate)),
+                       ("replicate", lambda: dmuon.replicate(model, dp))):
+        try:
+            call()
+        except (ValueError, RuntimeError) as error:
+            refusals[what] = str(error)
+    report("ddp_tp", max_abs_diff=max_diff, refusals=refusals, largest_change=moved, dedicated_bytes=dedicated_bytes(ref),
+           per_rank=per_rank(comm), plan=per_rank(plan),
+           # every rank keeps its whole TP shard of every matrix (half of each)
+           held_everywhere=all(per_rank(dmuon.held_bytes(model) == local_bytes == dedicated_bytes(ref) // 2)),
+           max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched),
+                                                           tp=True))
 
 
 def replicated_muon_step(ddp, optimizers, mine, total, use_no_sync):
@@ -1331,6 +1398,7 @@ def main():
                 check_equivalence(mesh, zero3, use_no_sync=True, tp=True)
             check_hsdp_publish(mesh, directory)
             check_tp_resume(mesh, directory)
+            check_ddp_tp(mesh)
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
