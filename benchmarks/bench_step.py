@@ -16,7 +16,11 @@ DDP's no_sync).
 - dmuon Z3, no prefetch: the same with ``forward_prefetch_depth=0`` (each broadcast issued
   at its own layer, where it is waited for at once);
 - DDP + replicated Muon: every rank all-reduces every gradient and runs Muon on every
-  matrix.
+  matrix;
+- DDP + AdamW: the same layout with AdamW on everything;
+- dmuon DDP backend: dedicate_params_ddp and replicate, every rank holding the whole
+  model; each matrix reduced to its owner, stepped there, broadcast after the step (its
+  ratio to DDP + replicated Muon is the one dmuon must win).
 
 "blocked" is the time a rank spends waiting for dmuon's collectives (every wait goes
 through the collective-order check's ``waiting``), averaged over ranks, and its share
@@ -37,7 +41,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 REPEATS, MICRO_BATCHES, BATCH, TOKENS = 5, 4, 8, 64
-SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "dmuon Z3, no prefetch", "DDP + replicated Muon"]
+SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "dmuon Z3, no prefetch", "DDP + replicated Muon", "DDP + AdamW",
+          "dmuon DDP backend"]
 
 
 def worker():
@@ -91,6 +96,10 @@ def worker():
             if name == "FSDP2 + AdamW":
                 sharded(model)
                 return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], fsdp_no_sync(model)
+            if name == "dmuon DDP backend":
+                dmuon.dedicate_params_ddp(model, mesh, is_dedicated)
+                dmuon.replicate(model, mesh)
+                return model, [dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)], lambda: dmuon.no_sync(model)
             if name.startswith("dmuon"):
                 dmuon.dedicate_params(model, mesh, is_dedicated, reshard_after_forward="Z3" in name)
                 sharded(model)
@@ -98,6 +107,8 @@ def worker():
                 opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, forward_prefetch_depth=depth)
                 return model, [opt], lambda: dmuon.no_sync(model)
             ddp = DistributedDataParallel(model)
+            if name == "DDP + AdamW":
+                return ddp, [torch.optim.AdamW(model.parameters(), lr=1e-3)], ddp.no_sync
             matrices = [p for n, p in model.named_parameters() if is_dedicated(n, p)]
             rest = [p for n, p in model.named_parameters() if not is_dedicated(n, p)]
             return ddp, [muon.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)], ddp.no_sync

@@ -10,8 +10,9 @@ Each row sets a measured number beside what it is judged against, both from this
   matrices on CPU) against one matrix at a time (large matrices on CPU) (bench_muon.ns_times);
 - dmuon's optimizer step on 2 ranks against replicated Muon (bench_dmuon.measure);
 - a full training step (4 micro-batches, then the optimizer step) of dmuon Z2, Z3 and Z3
-  without prefetch, and of DDP with replicated Muon, against FSDP2 + AdamW on 2 and 4
-  ranks (bench_step.measure);
+  without prefetch, of DDP with replicated Muon and with AdamW, and of dmuon's DDP
+  backend, against FSDP2 + AdamW on 2 and 4 ranks, and the DDP backend against DDP with
+  replicated Muon (bench_step.measure);
 - the time a dmuon training step spends in its collective-order check, order_check
   "strict" (a store round trip per event) and "per_step" (the default), against the
   step's time, on 2 and 4 ranks (order_check.measure);
@@ -122,12 +123,18 @@ def dmuon_rows() -> list[str]:
 def training_step_rows() -> list[str]:
     rows = []
     for nproc in (2, 4):
+        steps = {}
         for line in bench_step.measure(nproc):
             _, world, setup, step, blocked, ratio, _ = (cell.strip() for cell in line.split("|"))
+            steps[setup] = float(step)
             if setup != "FSDP2 + AdamW":
                 rows.append(row(f"training step, {setup}, {world} ranks (small GPT, 4 micro-batches)",
                                 f"{step} ms" + (f", blocked {blocked}" if blocked != "-" else ""),
                                 "FSDP2 + AdamW", float(ratio)))
+        # the DDP layout's own peer: the backend must beat replicated Muon on the same layout
+        ours, peer = steps["dmuon DDP backend"], steps["DDP + replicated Muon"]
+        rows.append(row(f"training step, dmuon DDP backend, {nproc} ranks (small GPT, 4 micro-batches)",
+                        f"{ours:.0f} ms", f"DDP + replicated Muon {peer:.0f} ms", ours / peer))
     return rows
 
 

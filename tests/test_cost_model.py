@@ -36,6 +36,24 @@ def test_a_hand_worked_dmuon_z3_row():
     assert z3.wire == 0.75 * (4800 + 1200)
 
 
+def test_a_hand_worked_dmuon_ddp_backend_row():
+    # P_M = 1200 bytes, 4 ranks, 2 micro-batches, no_sync: every rank keeps every matrix and its own accumulated
+    # gradient, the owner its reduced quarter and the momentum of it; one reduce per window, one broadcast after.
+    ddp = cost_model.cost("dmuon DDP backend", P=1200, W=4, N=2, L=3, s=1)
+    assert ddp.counted == {"reduce": 1200, "broadcast": 1200}
+    assert (ddp.parameters, ddp.gradients, ddp.optimizer_state) == (1200, 1200 + 300, 300)
+
+
+def test_a_hand_worked_tensor_parallel_row():
+    # T = 2: each rank's shards are half of every matrix; of each matrix's gather, the TP owner counts it all
+    # (1200) and the other DP owner its half (600): 1800 over the W T = 4 ranks, 450 each on average.
+    tp = cost_model.cost("dmuon Z2", P=1200, W=2, N=2, L=3, s=1, T=2)
+    assert tp.counted == {"broadcast": 600, "reduce": 600, "gather": 450, "scatter": 450}
+    assert tp.parameters == 600 + 1200 / 4  # its shards, and on average a quarter of the TP owners' proxies
+    with pytest.raises(ValueError, match="dmuon's rows only"):
+        cost_model.cost("FSDP2", P=1200, W=2, N=2, L=3, T=2)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(scheme="ZeRO-4"), "scheme must be one of"),
     (dict(W=0), "W must be an int >= 1"),

@@ -44,6 +44,7 @@ pytestmark = pytest.mark.torchrun
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.dmuon import fsdp_exclusion
+from dmuon_edu.course import cost_model
 from dmuon_edu.course.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
 
@@ -178,6 +179,12 @@ def test_tensor_parallel_communicates_as_planned(checks, mode):
         # once a step, the gradient shards gathered to the TP owner and the update scattered back, as planned
         assert counted["gather"] == plan["tp_gather_tensor_bytes_this_rank"] > 0, c
         assert counted["scatter"] == plan["tp_scatter_tensor_bytes_this_rank"] > 0, c
+    # the course's cost model predicts it: per rank, and for the TP gather and scatter on average over the ranks
+    model = cost_model.cost(f"dmuon {mode.upper()}", P=c["dedicated_bytes"], W=2, N=k, L=3, T=2)
+    for op in ("broadcast", "reduce"):
+        assert all(counted[op] == model.counted[op] for counted in c["per_rank"]), (op, model, c)
+    for op in ("gather", "scatter"):
+        assert sum(counted[op] for counted in c["per_rank"]) / len(c["per_rank"]) == model.counted[op], (op, model, c)
 
 
 def test_tensor_parallel_resumes_bit_identically(checks):
@@ -194,9 +201,12 @@ def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
     # every rank keeps its whole TP shard of every matrix; per step each DP owner's shard is reduced once (no_sync)
     # and broadcast once after the step, and the TP owners gather and scatter as summarize_comm_plan plans
     assert c["held_everywhere"], c
+    model = cost_model.cost("dmuon DDP backend", P=c["dedicated_bytes"], W=2, N=3, L=3, T=2)  # the cost model's row
     for counted, plan in zip(c["per_rank"], c["plan"]):
         assert counted == plan and counted["reduce"] == counted["broadcast"] == c["dedicated_bytes"] // 2, c
-        assert counted["gather"] > 0 and counted["scatter"] > 0, c
+        assert counted["reduce"] == model.counted["reduce"] and counted["broadcast"] == model.counted["broadcast"], c
+    for op in ("gather", "scatter"):
+        assert sum(counted[op] for counted in c["per_rank"]) / len(c["per_rank"]) == model.counted[op], (op, model, c)
     assert c["max_abs_diff_after_resume"] == 0.0, c  # full state dicts: bit for bit
     assert "dedicate_params_ddp_tp" in c["refusals"]["dedicate_params_ddp"], c
     assert "replicate_tp" in c["refusals"]["replicate"], c
@@ -272,8 +282,10 @@ def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
     c = real_use(checks, f"ddp_{config}")
     passes = 1 if config == "no_sync" else c["k"]
     p_m, p_r = c["dedicated_bytes"], c["replicated_bytes"]
+    model = cost_model.cost("dmuon DDP backend", P=p_m, W=2, N=c["k"], L=3, no_sync=config == "no_sync")
     for mine, peer, plan in zip(c["per_rank"], c["peer_per_rank"], c["plan"]):
         assert mine["reduce"] == passes * p_m and mine["broadcast"] == p_m, c
+        assert {op: mine[op] for op in model.counted} == model.counted, (model, c)  # the course's cost model
         # summarize_comm_plan plans it: one reduce per pass, one broadcast per step (after it), not per layer
         assert plan["reduce"] * passes == mine["reduce"] and plan["broadcast"] == mine["broadcast"], c
         assert mine["all_reduce"] == passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES, c

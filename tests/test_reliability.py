@@ -214,7 +214,7 @@ def test_fault_rank_raises_mid_step(tmp_path):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("fault", ["silent", "silent_in_reduce"])
+@pytest.mark.parametrize("fault", ["silent", "silent_in_reduce", "silent_ddp"])
 def test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout(tmp_path, fault):
     error, seconds = _inject(fault, tmp_path)
     # The script's 5 s collective timeout ended it, not the launcher's 120 s (a hang guard with room for load).

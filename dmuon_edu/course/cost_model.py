@@ -32,7 +32,7 @@ from dmuon_edu.arguments import require_flag
 
 __all__ = ["Cost", "SCHEMES", "cost", "wire_factor"]
 
-SCHEMES = ("DDP", "ZeRO-1", "FSDP2", "FSDP2, no reshard after forward", "dmuon Z3", "dmuon Z2")
+SCHEMES = ("DDP", "ZeRO-1", "FSDP2", "FSDP2, no reshard after forward", "dmuon Z3", "dmuon Z2", "dmuon DDP backend")
 
 
 def wire_factor(collective: str, world_size: int) -> float:
@@ -62,8 +62,19 @@ class Cost:
         return sum(nbytes * wire_factor(op, self.world_size) for op, nbytes in self.counted.items())
 
 
-def cost(scheme: str, *, P: float, W: int, N: int, L: int, no_sync: bool = True, s: float = 2.0) -> Cost:
+def cost(scheme: str, *, P: float, W: int, N: int, L: int, no_sync: bool = True, s: float = 2.0,
+         T: int = 1) -> Cost:
     """Per-rank memory and bytes per optimizer step of ``scheme`` (one of SCHEMES).
+
+    With tensor parallelism (``T`` > 1, dmuon's rows) each rank holds 1/T of every matrix
+    and W counts the data-parallel ranks (W T in all): the rank's TP shards follow the row
+    as if they were its matrices (P / T of them), and at the step each matrix's DP owners
+    gather their gradient shards to its TP owner and receive the update's shards back. The
+    TP owner counts the whole matrix, the others their shard: on average (2T - 1) / T^2 of
+    the matrix per DP owner, i.e. (2T - 1) / (W T^2) P per rank for each of the gather and
+    the scatter. The TP owner's full-shape proxy and its momentum are in the average
+    optimizer state, s P / (W T); the proxy itself, P / (W T) on average, is added to the
+    parameters.
 
     Args:
         scheme: one of SCHEMES.
@@ -75,18 +86,22 @@ def cost(scheme: str, *, P: float, W: int, N: int, L: int, no_sync: bool = True,
             set_requires_gradient_sync(False) on all but the last micro-batch, dmuon.no_sync);
             False: after every micro-batch.
         s: bytes of optimizer state per parameter byte (AdamW 2, Muon 1).
+        T: the tensor-parallel degree (the dmuon rows only); 1 without TP.
 
     Returns:
         The scheme's :class:`Cost`.
 
     Raises:
-        ValueError: an unknown scheme, W, N or L not an int >= 1, or P not positive.
+        ValueError: an unknown scheme, W, N, L or T not an int >= 1, T > 1 on a row that is not
+            dmuon's, or P not positive.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    for name, value in (("W", W), ("N", N), ("L", L)):
+    for name, value in (("W", W), ("N", N), ("L", L), ("T", T)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if T > 1 and not scheme.startswith("dmuon"):
+        raise ValueError(f"T > 1 (tensor parallelism) is modelled for dmuon's rows only, not {scheme!r}")
     if not P > 0:
         raise ValueError(f"P must be a positive number of bytes, got {P!r}")
     require_flag("no_sync", no_sync)
@@ -105,6 +120,15 @@ def cost(scheme: str, *, P: float, W: int, N: int, L: int, no_sync: bool = True,
         gradients = P if no_sync else P / W + layer
         return Cost(P / W + gathered, gradients, s * P / W,
                     {"all_gather": all_gathers, "reduce_scatter": syncs * P}, W)
+    if T > 1:  # this rank's TP shards as its matrices, plus the TP gather and scatter at the step
+        shards = cost(scheme, P=P / T, W=W, N=N, L=L, no_sync=no_sync, s=s)
+        tp_bytes = (2 * T - 1) / (W * T * T) * P
+        return Cost(shards.parameters + P / (W * T), shards.gradients, shards.optimizer_state,
+                    {**shards.counted, "gather": tp_bytes, "scatter": tp_bytes}, W, shards.in_flight)
+    if scheme == "dmuon DDP backend":
+        # Every rank keeps every matrix; no_sync: its own accumulated gradient, and the owner's reduced share.
+        gradients = P + P / W if no_sync else P / W + layer
+        return Cost(P, gradients, s * P / W, {"reduce": syncs * P, "broadcast": P}, W)
     zero3 = scheme == "dmuon Z3"
     # Held: Z3, the owner's share plus the other owners' part of the layer in use; Z2, every matrix.
     parameters = P / W + (W - 1) / W * layer if zero3 else P

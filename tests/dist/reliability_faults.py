@@ -1,6 +1,6 @@
 """A fault injected into rank 1 in the middle of dmuon training (tests/test_reliability.py).
 
-    torchrun --nproc-per-node=2 tests/dist/reliability_faults.py raise|silent|silent_in_reduce STAMP_FILE
+    torchrun --nproc-per-node=2 tests/dist/reliability_faults.py raise|silent|silent_in_reduce|silent_ddp STAMP_FILE
 
 - ``raise``: in the second optimizer step, rank 1 raises inside a layer's forward while
   rank 0 goes on into that layer's broadcast. The job must end quickly, non-zero, and
@@ -11,6 +11,9 @@
 - ``silent_in_reduce``: the same in the second step's backward, after the reduces of the
   later layers are issued: rank 0 waits in a reduce (gloo often reports another of its
   waits, "Application timeout caused pair closure"), and the launcher names rank 1.
+- ``silent_ddp``: ``silent`` on the DDP backend (dedicate_params_ddp and replicate), where
+  no broadcast precedes a forward: rank 0 runs on into the backward's reduces and
+  all-reduces, and waits there.
 
 Just before the fault rank 1 writes time.time() to STAMP_FILE, so that the test can
 measure how long the job takes to end after the fault (not counting start-up).
@@ -33,7 +36,7 @@ def main():
     fault, stamp = sys.argv[1], Path(sys.argv[2])
     with distributed.session(timeout_s=TIMEOUT_S) as ranks:
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
-        model, opt, sched = build(mesh)
+        model, opt, sched = build(mesh, ddp=fault == "silent_ddp")
         state = {"step": 0}
 
         def inject(module, args):

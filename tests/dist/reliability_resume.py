@@ -70,13 +70,18 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build(mesh, seed=0):
+def build(mesh, seed=0, ddp=False):
+    """The model and its dmuon.Muon and scheduler: FSDP2, or (``ddp``) the DDP backend."""
     torch.manual_seed(seed)
     model = Net()
-    dmuon.dedicate_params(model, mesh, predicate)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if ddp:
+        dmuon.dedicate_params_ddp(model, mesh, predicate)
+        dmuon.replicate(model, mesh)
+    else:
+        dmuon.dedicate_params(model, mesh, predicate)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, adamw_lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + step))
     return model, opt, sched
