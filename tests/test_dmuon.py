@@ -657,11 +657,11 @@ def test_per_block_torch_compile_equals_eager_and_does_not_recompile(checks):
 
 
 # --------------------------------------------- the public API: hook boundaries, groups, policies, diagnostics
-def test_mha_trains_in_z3_and_z2_with_a_hook_boundary_predicate(checks):
+def test_mha_trains_in_z3_z2_and_on_the_ddp_backend_with_a_hook_boundary_predicate(checks):
     # nn.MultiheadAttention at the root reads out_proj.weight without calling out_proj; its module is the hook
     # boundary. Against one process: the same float32 reordering as the other equivalence checks.
     c = real_use(checks, "hook_boundaries")
-    for mode in ("z3", "z2"):
+    for mode in ("z3", "z2", "ddp"):
         assert c[mode]["max_abs_diff"] < TOLERANCE and c[mode]["largest_change"] > 1000 * TOLERANCE, c
         assert c[mode]["units"] == ["pool"] and c[mode]["storage_ok"], c
 
@@ -766,8 +766,10 @@ def test_compute_dtype_computes_in_bf16_without_a_policy_and_a_disagreement_is_r
     assert all(m and "compute_dtype (param_dtype) torch.float16" in m and "torch.bfloat16" in m for m in c["refused"]), c
 
 
-def test_a_checkpoint_with_checkpoint_wrapper_resumes_without_it_and_back_bit_identically(checks):
-    c = real_use(checks, "wrapped_checkpoints")
+@pytest.mark.parametrize("layout", ["", "_ddp", "_tp", "_ddp_tp"])  # FSDP2, the DDP backend, and both with TP
+def test_a_checkpoint_with_checkpoint_wrapper_resumes_without_it_and_back_bit_identically(checks, layout):
+    name = f"wrapped_checkpoints{layout}"
+    c = two_by_two(checks, name) if layout.endswith("tp") else real_use(checks, name)
     for direction in ("saved_wrapped", "saved_plain"):
         assert c[direction] == {"wrapper_in_keys": [], "restored_max_diff": 0.0, "continued_max_diff": 0.0}, c
 

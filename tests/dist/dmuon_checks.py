@@ -170,6 +170,8 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
           replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, tp=False, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net(tied, checkpointed).to(mesh.device_type)
+    if tp:  # tensor parallelism first, then activation checkpointing, as torchtitan orders them
+        parallelize(model, tp_mesh(mesh.device_type))
     if wrapped:  # each block in a CheckpointWrapper: its names gain "_checkpoint_wrapped_module."
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     for name in frozen:
@@ -179,10 +181,8 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
         dmuon.dedicate_params(model, mesh2d["shard"], predicate, reshard_after_forward=zero3,
                               replicate_mesh=mesh2d["replicate"])
         mesh = mesh2d
-    elif tp:  # the public tp-dp order: TP, then dedicate_params and fully_shard on the DP axis
-        mesh2d = tp_mesh(mesh.device_type)
-        parallelize(model, mesh2d)
-        mesh = mesh2d["dp"]
+    elif tp:  # the public tp-dp order: TP (above), then dedicate_params and fully_shard on the DP axis
+        mesh = tp_mesh(mesh.device_type)["dp"]
         dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3, **dedicate_kwargs)
     else:
         dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=zero3, **dedicate_kwargs)
@@ -901,6 +901,18 @@ def check_hook_boundaries(mesh):
         result["z3" if zero3 else "z2"] = dict(max_abs_diff=diff, largest_change=moved,
                                                units=[u.path for u in model._dmuon.units],
                                                storage_ok=all(per_rank(_storage_ok(model))))
+    # The DDP backend: every rank holds the matrices; the boundary is where they are cast and the order checked.
+    torch.manual_seed(0)
+    model = Pooled().to(mesh.device_type)
+    dmuon.dedicate_params_ddp(model, mesh, pooled_matrices,
+                              hook_boundary_predicate=lambda m: isinstance(m, nn.MultiheadAttention))
+    dmuon.replicate(model, mesh)
+    opt = muon_of(model)
+    torch.manual_seed(0)
+    ref = Pooled()
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, pooled_matrices))
+    result["ddp"] = dict(max_abs_diff=diff, largest_change=moved, units=[u.path for u in model._dmuon.units],
+                         storage_ok=True)
     torch.manual_seed(0)
     model = Pooled().to(mesh.device_type)
     dmuon.dedicate_params(model, mesh, pooled_matrices)
@@ -1046,19 +1058,22 @@ def check_ns_backend(mesh):
            differs_from_jordan=max((a - b).abs().max().item() for a, b in zip(ref.parameters(), jordan.parameters())))
 
 
-def check_wrapped_checkpoints(mesh):
+def check_wrapped_checkpoints(mesh, layout="fsdp2"):
     """A checkpoint saved with checkpoint_wrapper around every block resumes into the model without it, and
-    the reverse: the same keys, the same weights, and the same next step, bit for bit."""
+    the reverse: the same keys, the same weights, and the same next step, bit for bit. ``layout``: "fsdp2",
+    "ddp" (the DDP backend), "tp" (FSDP2 + TP) or "ddp_tp"."""
+    tp = layout.endswith("tp")
+    builder = (partial(build_ddp, mesh, tp=tp) if layout.startswith("ddp") else partial(build, mesh, True, tp=tp))
     result = {}
     for saved_wrapped in (True, False):
-        model, opt = build(mesh, zero3=True, wrapped=saved_wrapped)
+        model, opt = builder(wrapped=saved_wrapped)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         for step in range(2):
-            mine, _, total = window(step, dist.get_rank(), dist.get_world_size())
-            train_window(model, opt, sched, mine, total, use_no_sync=True)
+            mine, _, total = window(step, *data_coordinates(tp))
+            train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp)
         saved = {"model": dmuon.get_model_state_dict(model, rank0_only=False),
                  "optim": dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)}
-        fresh, fresh_opt = build(mesh, zero3=True, seed=123, wrapped=not saved_wrapped)
+        fresh, fresh_opt = builder(seed=123, wrapped=not saved_wrapped)
         fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)
         fresh_sched.load_state_dict(sched.state_dict())
         dmuon.set_model_state_dict(fresh, saved["model"])
@@ -1067,8 +1082,8 @@ def check_wrapped_checkpoints(mesh):
         result["saved_wrapped" if saved_wrapped else "saved_plain"] = dict(
             wrapper_in_keys=[k for k in keys if "_checkpoint_wrapped_module" in k],
             restored_max_diff=max_difference(model, fresh),
-            continued_max_diff=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched)))
-    report("wrapped_checkpoints", **result)
+            continued_max_diff=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched), tp=tp))
+    report("wrapped_checkpoints" + ("" if layout == "fsdp2" else f"_{layout}"), **result)
 
 
 def check_partial_clip(mesh, backend="fsdp2"):
@@ -1170,12 +1185,15 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, **dedicate_kwargs):
+def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, **dedicate_kwargs):
     torch.manual_seed(seed)
     model = Net().to(mesh.device_type)
-    if tp:  # the public DDP + TP order: TP, then dedicate_params_ddp_tp and replicate_tp on the DP axis
-        mesh2d = tp_mesh(mesh.device_type)
+    mesh2d = tp_mesh(mesh.device_type) if tp else None
+    if tp:
         parallelize(model, mesh2d)
+    if wrapped:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    if tp:  # the public DDP + TP order: TP, then dedicate_params_ddp_tp and replicate_tp on the DP axis
         dmuon.dedicate_params_ddp_tp(model, mesh2d["dp"], predicate, **dedicate_kwargs)
         dmuon.replicate_tp(model, mesh2d["dp"])
     else:
@@ -1399,6 +1417,8 @@ def main():
             check_hsdp_publish(mesh, directory)
             check_tp_resume(mesh, directory)
             check_ddp_tp(mesh)
+            for layout in ("tp", "ddp_tp"):
+                check_wrapped_checkpoints(mesh, layout)
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
@@ -1412,6 +1432,7 @@ def main():
             check_order_modes(mesh)
             check_ddp(mesh)
             check_partial_clip(mesh, backend="ddp")
+            check_wrapped_checkpoints(mesh, "ddp")
         if ranks.rank == 0:
             check_channel.done()
 
