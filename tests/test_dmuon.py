@@ -674,17 +674,20 @@ def test_without_a_hook_boundary_the_read_in_forward_is_refused_naming_the_fix(c
     assert c["resolver_units"] == ["pool"], c
 
 
-def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(checks):
-    # It gets no gradient hook; it used to stay on the non-owner from its first backward until step().
-    c = real_use(checks, "frozen")
+@pytest.mark.parametrize("record", ["frozen", "frozen_tp"])  # 1-D FSDP2; FSDP2 + TP, the frozen matrix a TP shard
+def test_a_frozen_dedicated_matrix_is_freed_after_its_layers_backward_in_z3(checks, record):
+    # It gets no gradient hook; it used to stay on the non-owner from its first backward until step(). Under TP it
+    # used to take the step's weight decay (its TP owner stepped a zero update and its DP owners decayed the shard).
+    c = two_by_two(checks, record) if record.endswith("tp") else real_use(checks, record)
     assert c["looked"] == 6 and c["layer2_held_in_layer0_backward"] == [False] * c["nproc"], c
     assert c["frozen_change"] == 0.0 and c["storage_ok"], c
     assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
     # one window of Z3 with no_sync: the frozen matrix is broadcast 2N times (N micro-batches) like the others but never reduced,
-    # and summarize_comm_plan plans exactly that
+    # and summarize_comm_plan plans exactly that (under TP, of this rank's halves)
+    shards = 2 if record.endswith("tp") else 1
     for plan, counted in zip(c["plan"], c["counted"]):
-        assert counted["reduce"] == plan["reduce"] == c["dedicated_bytes"] - c["frozen_bytes"], c
-        assert counted["broadcast"] == 2 * c["k"] * plan["broadcast"] == 2 * c["k"] * c["dedicated_bytes"], c
+        assert counted["reduce"] == plan["reduce"] == (c["dedicated_bytes"] - c["frozen_bytes"]) // shards, c
+        assert counted["broadcast"] == 2 * c["k"] * plan["broadcast"] == 2 * c["k"] * c["dedicated_bytes"] // shards, c
 
 
 def test_param_groups_and_policy_routes_train_like_one_process_and_resume(checks):

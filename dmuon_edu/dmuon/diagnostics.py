@@ -115,7 +115,7 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
                             "tp_scatter_tensor_bytes_this_rank"), 0)
     for p in state.params.values():  # the DP owners of a TP-sharded matrix join its gather and scatter (tp.py)
         tp = getattr(p, "_dmuon_tp", None)
-        if tp is not None and state.receives_gradient(p):
+        if tp is not None and p.requires_grad and state.receives_gradient(p):  # a frozen matrix is not stepped
             shard = p._dmuon_shape.numel() * p._dmuon_dtype.itemsize
             for key in ("tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank"):
                 totals[key] += shard * tp.size if tp.index == tp.owner else shard

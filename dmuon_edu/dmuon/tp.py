@@ -126,9 +126,10 @@ def shard_dim(p: torch.Tensor, tp_mesh: DeviceMesh | None) -> int | None:
 
 
 def _proxies(state) -> list[tuple[nn.Parameter, TPShard]]:
-    """The TP-sharded matrices this rank holds (it is their DP owner in its column), in model order."""
+    """The trainable TP-sharded matrices this rank holds (it is their DP owner in its column), in model order.
+    A frozen one takes no part in the step: no gradient to gather, and no weight decay."""
     return [(p, p._dmuon_tp) for p in state.params.values()
-            if getattr(p, "_dmuon_tp", None) is not None and state.receives_gradient(p)]
+            if getattr(p, "_dmuon_tp", None) is not None and p.requires_grad and state.receives_gradient(p)]
 
 
 def gather_gradients(state) -> None:

@@ -219,17 +219,17 @@ def reference_step(ref, optimizers, step, tp=False):
         o.zero_grad()
 
 
-def train_side_by_side(model, opt, ref, ref_optimizers, steps=2):
+def train_side_by_side(model, opt, ref, ref_optimizers, steps=2, tp=False):
     """Train dmuon and the single-process reference (full batch, same clipping) at a constant lr; the max
     |difference| of any parameter after each step, and the largest change of the reference's parameters."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = data_coordinates(tp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     max_diff = 0.0
     for step in range(steps):
         mine, _, total = window(step, rank, world)
-        train_window(model, opt, sched, mine, total, use_no_sync=True)
-        reference_step(ref, ref_optimizers, step)
+        train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp)
+        reference_step(ref, ref_optimizers, step, tp=tp)
         ours = full_params(model)
         max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
     moved = max((p.detach() - initial[n]).abs().max().item() for n, p in ref.named_parameters())
@@ -928,11 +928,12 @@ def check_hook_boundaries(mesh):
     report("hook_boundaries", **result)
 
 
-def check_frozen(mesh):
+def check_frozen(mesh, tp=False):
     """A frozen dedicated matrix (requires_grad=False, so no gradient hook) in Z3: freed after its layer's
-    backward like the others, unchanged by the steps, and the rest trains like one process."""
+    backward like the others, unchanged by the steps, and the rest trains like one process. With ``tp`` the
+    frozen matrix is a TP shard (down_proj is row-parallel)."""
     frozen = "layers.2.down_proj.weight"
-    model, opt = build(mesh, zero3=True, frozen=[frozen])
+    model, opt = build(mesh, zero3=True, frozen=[frozen], tp=tp)
     state = model._dmuon
     last = [u for u in state.units if u.path == "layers.2"][0]
     seen = []  # at the start of layer 0's backward: does this rank hold a matrix of layer 2 it does not own?
@@ -948,15 +949,15 @@ def check_frozen(mesh):
     ref = Net()
     ref.get_parameter(frozen).requires_grad_(False)
     before = ref.get_parameter(frozen).detach().clone()
-    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate))
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate), tp=tp)
     frozen_change = (full_params(model)[frozen] - before).abs().max().item()
     storage_ok, looked, held = all(per_rank(_storage_ok(model))), len(seen), per_rank(any(seen))
     # One more window, counted: the frozen matrix is broadcast (its layer needs it) but never reduced, as planned.
-    mine, _, total = window(2, dist.get_rank(), dist.get_world_size())
+    mine, _, total = window(2, *data_coordinates(tp))
     with dmuon.count_comm() as counted:
         train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0), mine, total,
-                     use_no_sync=True)
-    report("frozen", max_abs_diff=diff, largest_change=moved, layer2_held_in_layer0_backward=held,
+                     use_no_sync=True, tp=tp)
+    report("frozen" + "_tp" * tp, max_abs_diff=diff, largest_change=moved, layer2_held_in_layer0_backward=held,
            looked=looked, frozen_change=frozen_change, storage_ok=storage_ok, k=K,
            plan=per_rank(_planned_bytes(model)),
            counted=per_rank({name: counted.bytes.get(name, 0) for name in ("broadcast", "reduce")}),
@@ -1419,6 +1420,7 @@ def main():
             check_ddp_tp(mesh)
             for layout in ("tp", "ddp_tp"):
                 check_wrapped_checkpoints(mesh, layout)
+            check_frozen(mesh, tp=True)
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
