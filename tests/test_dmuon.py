@@ -212,6 +212,16 @@ def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
     assert "replicate_tp" in c["refusals"]["replicate"], c
 
 
+def test_hsdp_publishes_only_the_trainable_matrices_as_planned(checks):
+    # one Z3 window with no_sync on 2 x 2, one matrix frozen: the replicas' per-layer broadcasts (2N per matrix)
+    # and the post-step publish, which used to send the frozen matrix too; the plan says the same
+    c = two_by_two(checks, "hsdp_frozen")
+    for counted, per_layer, publish, trainable in zip(c["counted"], c["planned_per_layer"], c["planned_publish"],
+                                                      c["held_trainable"]):
+        assert publish == trainable and counted == 2 * c["k"] * per_layer + publish, c
+    assert sum(c["planned_publish"]) > 0, c
+
+
 def test_no_sync_divides_reduce_bytes_by_k(checks):
     with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
     assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]

@@ -412,7 +412,7 @@ class DMuonState:
             return
         packs: dict[tuple[int, str], list[nn.Parameter]] = {}
         for p in self.params.values():
-            if self.owns(p):
+            if self.owns(p) and p.requires_grad:  # a frozen matrix never changes
                 packs.setdefault((p._dmuon_replica, str(p._dmuon_dtype)), []).append(p)
         self.publishing += start_packed_broadcasts(packs, self.replica, self.replicate_group, self.mesh_device,
                                                    self.replicate_order, "the publish of {n} matrices from replica {source}")

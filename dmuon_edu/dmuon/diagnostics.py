@@ -133,7 +133,7 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
         unit_bytes = sum(b["bytes"] for b in buckets)
         reduce_bytes = sum(sizes[id(p)][1] for p in unit.params)
         across = sum(sizes[id(p)][1] for p in held_here) if state.replicas > 1 else 0
-        published = sum(sizes[id(p)][0] for p in held_here) if state.replicas > 1 else 0
+        published = sum(sizes[id(p)][0] for p in held_here if p.requires_grad) if state.replicas > 1 else 0
         for key, value in (("dedicated_local_bytes", unit_bytes), ("broadcast_tensor_bytes", unit_bytes),
                            ("stage1_shard_reduce_tensor_bytes", reduce_bytes),
                            ("stage1_shard_reduce_ring_bytes_per_rank", round(reduce_bytes * ring)),

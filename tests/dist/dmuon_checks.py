@@ -820,6 +820,25 @@ def check_hsdp_publish(mesh, directory):
            owners=sorted(set(dmuon.ownership(model).values())))
 
 
+def check_hsdp_frozen(mesh):
+    """HSDP 2 x (W/2), Z3, one frozen matrix: one window's broadcasts as counted are the replicas' per-layer
+    broadcasts and the post-step publish, as summarize_comm_plan plans them; the publish leaves the frozen one out."""
+    frozen = "layers.2.down_proj.weight"
+    model, opt = build(mesh, zero3=True, hsdp=True, frozen=[frozen])
+    mine, _, total = window(0, dist.get_rank(), dist.get_world_size())
+    with dmuon.count_comm() as counted:
+        train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), mine, total, use_no_sync=True)
+        model._dmuon.wait_published()
+    totals = dmuon.summarize_comm_plan(model)["totals"]
+    state = model._dmuon
+    held_trainable = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for n, p in state.params.items()
+                         if state.owns(p) and n != frozen)
+    report("hsdp_frozen", k=K, counted=per_rank(counted.bytes.get("broadcast", 0)),
+           planned_per_layer=per_rank(totals["broadcast_tensor_bytes"]),
+           planned_publish=per_rank(totals["post_step_replicate_broadcast_tensor_bytes_this_rank"]),
+           held_trainable=per_rank(held_trainable))
+
+
 def check_state_dict(mesh, directory):
     """Save at step 2 (sharded state dicts, torch.distributed.checkpoint), load into a fresh model, continue."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1416,6 +1435,7 @@ def main():
                 check_equivalence(mesh, zero3, use_no_sync=True, hsdp=True)
                 check_equivalence(mesh, zero3, use_no_sync=True, tp=True)
             check_hsdp_publish(mesh, directory)
+            check_hsdp_frozen(mesh)
             check_tp_resume(mesh, directory)
             check_ddp_tp(mesh)
             for layout in ("tp", "ddp_tp"):
