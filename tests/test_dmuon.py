@@ -210,6 +210,9 @@ def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
     assert c["max_abs_diff_after_resume"] == 0.0, c  # full state dicts: bit for bit
     assert "dedicate_params_ddp_tp" in c["refusals"]["dedicate_params_ddp"], c
     assert "replicate_tp" in c["refusals"]["replicate"], c
+    # a DTensor keeps its dtype, so a TP shard's compute_dtype is refused when dmuon.Muon is built, naming autocast
+    assert "is tensor-parallel (a DTensor)" in c["refusals"]["compute_dtype"], c
+    assert "torch.autocast" in c["refusals"]["compute_dtype"], c
 
 
 def test_hsdp_publishes_only_the_trainable_matrices_as_planned(checks):

@@ -284,7 +284,8 @@ class DMuonState:
         """(param_dtype, reduce_dtype) of the fully_shard mixed-precision policy over the unit, or Nones.
 
         Raises:
-            ValueError: a parameter's compute_dtype (its policy's param_dtype) is not the policy's param_dtype.
+            ValueError: a parameter's compute_dtype (its policy's param_dtype) is not the policy's param_dtype, or a
+                TP-sharded matrix would compute in a dtype other than its own.
         """
         if unit.precision is None:
             policy = None
@@ -306,6 +307,15 @@ class DMuonState:
                         f"MixedPrecisionPolicy over {unit.path or 'the model'} computes in {param_dtype}: the layer's "
                         f"inputs and other parameters are cast to {param_dtype}. Pass compute_dtype={param_dtype} "
                         "(or None) to dedicate_params, or change the policy"
+                    )
+            for p in unit.params:
+                dtype = p._dmuon_policy.param_dtype or param_dtype
+                if isinstance(p, DTensor) and dtype not in (None, p._dmuon_dtype):
+                    raise ValueError(
+                        f"{self.name_of[p]} is tensor-parallel (a DTensor) and would compute in {dtype}, but dmuon_edu "
+                        f"casts plain tensors only: a DTensor keeps its dtype ({p._dmuon_dtype}). Leave compute_dtype "
+                        f"and the policy's param_dtype at None for it and run the forward under torch.autocast("
+                        f"device_type, dtype={dtype}), or leave the matrix out of the predicate"
                     )
             unit.precision = (param_dtype, reduce_dtype)
         return unit.precision

@@ -1264,7 +1264,8 @@ def check_ddp_tp(mesh):
     parallelize(plain, tp_mesh(mesh.device_type))
     dp = tp_mesh(mesh.device_type)["dp"]
     for what, call in (("dedicate_params_ddp", lambda: dmuon.dedicate_params_ddp(plain, dp, predicate)),
-                       ("replicate", lambda: dmuon.replicate(model, dp))):
+                       ("replicate", lambda: dmuon.replicate(model, dp)),
+                       ("compute_dtype", lambda: build_ddp(mesh, tp=True, compute_dtype=torch.bfloat16))):
         try:
             call()
         except (ValueError, RuntimeError) as error:
