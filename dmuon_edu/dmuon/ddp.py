@@ -282,11 +282,8 @@ def dedicate_params_ddp_tp(
     tp_mesh = None if sharded else tp.find_tp_mesh(model, predicate, mesh, None)
     if tp_mesh is None:  # no TP-sharded matrix: the plain DDP backend
         _require_data_parallel_mesh("dedicate_params_ddp_tp", mesh)
-    elif mesh.size() * tp_mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"the data-parallel mesh ({mesh.size()} ranks) times the tensor-parallel mesh ({tp_mesh.size()}) is not "
-            f"the process group's {dist.get_world_size()} ranks: pass mesh['dp'] of the (dp, tp) mesh the TP plan used"
-        )
+    else:
+        tp.require_grid(mesh, tp_mesh)
     return dedicate(DDPState, model, mesh, predicate, compute_dtype, False, None, hook_boundary_predicate,
                     hook_boundary_strict, hook_boundary_resolver, param_policy, param_policy_fn, tp_mesh=tp_mesh)
 

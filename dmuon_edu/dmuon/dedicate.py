@@ -588,11 +588,8 @@ def dedicate_params(
     # (a model fully_shard already sharded is refused by dedicate() below, naming the call order)
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     tp_mesh = None if sharded else tp.find_tp_mesh(model, predicate, mesh, replicate_mesh)
-    if tp_mesh is not None and mesh.size() * tp_mesh.size() != world:
-        raise ValueError(
-            f"the data-parallel mesh ({mesh.size()} ranks) times the tensor-parallel mesh ({tp_mesh.size()}) is not "
-            f"the process group's {world} ranks: pass mesh['dp'] of the (dp, tp) mesh the TP plan used"
-        )
+    if tp_mesh is not None:
+        tp.require_grid(mesh, tp_mesh)
     if replicate_mesh is not None and mesh.size() * replicas != world:
         raise ValueError(
             f"the shard mesh ({mesh.size()} ranks) times the replicate mesh ({replicas}) is not the process "

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .order import CollectiveOrder
 
-__all__ = ["TPShard", "find_tp_mesh", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
+__all__ = ["TPShard", "find_tp_mesh", "require_grid", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
 
 
 @dataclass(eq=False)
@@ -115,6 +115,16 @@ def find_tp_mesh(model: nn.Module, predicate, mesh: DeviceMesh, replicate_mesh: 
                     "the matrix out of the predicate")
         found = found or (name, p.device_mesh)
     return found[1] if found else None
+
+
+def require_grid(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """Raise ValueError unless the data-parallel and the tensor-parallel mesh span the process group together."""
+    world = dist.get_world_size()
+    if mesh.size() * tp_mesh.size() != world:
+        raise ValueError(
+            f"the data-parallel mesh ({mesh.size()} ranks) times the tensor-parallel mesh ({tp_mesh.size()}) is not "
+            f"the process group's {world} ranks: pass mesh['dp'] of the (dp, tp) mesh the TP plan used"
+        )
 
 
 def shard_dim(p: torch.Tensor, tp_mesh: DeviceMesh | None) -> int | None:
