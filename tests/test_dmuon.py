@@ -215,6 +215,52 @@ def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
     assert "torch.autocast" in c["refusals"]["compute_dtype"], c
 
 
+POOLED_TP_BLOCK = [f"layers.0.{m}_proj.weight" for m in ("down", "k", "q", "up")]  # TP-sharded by parallelize()
+CLIP_STATS_FIELDS = ["clip_coef", "clipped", "found_inf", "max_norm", "norm_type", "param_count", "strategy",
+                     "total_norm"]
+
+
+def test_the_public_api_on_ddp_with_tensor_parallelism_matches_one_process(checks):
+    # An MHA beside a TP-sharded block on (dp, tp) = (2, 2), DDP + TP, 2 steps with clipping: the semantic
+    # param_groups, param_policy routing the MHA's out_proj (not TP-sharded) to AdamW, the Polar Express
+    # coefficients and hook boundaries on the MHA and the block, against one process with the same groups,
+    # coefficients and clipping: the same float32 reordering as the other equivalence checks, the same tolerance
+    c = two_by_two(checks, "ddp_tp_api")
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["differs_from_jordan"] > 100 * TOLERANCE, c  # the coefficients reach the update (measured 2.9e-3)
+    assert c["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], c
+    assert c["units"] == ["pool", "layers.0"] and c["routed"] == "adamw" and c["tp_sharded"] == POOLED_TP_BLOCK, c
+    # Both clip forms against torch's on the full-batch gradients, each step: the norms sum the same squares over
+    # shards and ranks in another order (~1e-7 relative). The MHA's gradient, the same in both TP columns, counts
+    # once: it counted twice (the norms 27% and 32% off, the clip coefficient 21%).
+    for clip in c["clips"]:
+        assert clip["muon_norm_rel_diff"] < 1e-5 and clip["norm_rel_diff"] < 1e-5, clip
+        assert clip["coef_rel_diff"] < 1e-5 and clip["reference_clipped"], clip  # the clip scaled: it is tested
+        for s in clip["per_rank"]:
+            assert s["fields"] == [CLIP_STATS_FIELDS] * 2 and s["norms"] == clip["per_rank"][0]["norms"], clip
+            assert s["max_norm"] == [None, c["max_norm"]] and s["clip_coef_measured"] == 1.0, clip
+            assert s["clipped"] == [False, True] and s["found_inf"] == [False, False], clip
+            assert s["strategy"] == ["global_norm"] * 2, clip
+    # a TP shard routed to AdamW is refused on every rank, naming what this backend does (it used to name
+    # 'sharded_adamw', which this backend refuses in turn, naming 'adamw')
+    for message in c["sharded_adamw_refusal"]:
+        assert message and "layers.0.k_proj.weight" in message and "replicate_tp" in message, c
+        assert "sharded_adamw" not in message, c
+
+
+@pytest.mark.parametrize("layout", ["z3", "z2", "ddp"])
+def test_mha_beside_a_tensor_parallel_block_trains_like_one_process_with_a_hook_boundary_predicate(checks, layout):
+    # torch has no TP plan for nn.MultiheadAttention, so it stays replicated over TP while the block before it is
+    # TP-sharded; its matrices, dedicated on mesh["dp"] with the MHA as hook boundary, have an owner in each TP
+    # column. FSDP2 + TP in Z3 and Z2, and DDP + TP, 2 steps with clipping, against one process: float32 reordering
+    # as above. The clip counted the MHA's gradients once per TP column (1.2e-3 off after 2 steps).
+    c = two_by_two(checks, "hook_boundaries_tp")[layout]
+    assert c["max_abs_diff"] < TOLERANCE and c["largest_change"] > 1000 * TOLERANCE, c
+    assert c["units"] == ["pool", "layers.0"] and c["storage_ok"], c
+    assert c["tp_sharded"] == POOLED_TP_BLOCK and c["dedicated"] == POOLED_TP_BLOCK + ["pool.in_proj_weight",
+                                                                                      "pool.out_proj.weight"], c
+
+
 def test_hsdp_publishes_only_the_trainable_matrices_as_planned(checks):
     # one Z3 window with no_sync on 2 x 2, one matrix frozen: the replicas' per-layer broadcasts (2N per matrix)
     # and the post-step publish, which used to send the frozen matrix too; the plan says the same
@@ -763,8 +809,7 @@ def test_the_summaries_have_the_public_keys_and_this_ranks_facts(checks):
 def test_clip_grad_norm_returns_the_public_statistics_and_measures_only_with_none(checks):
     c = real_use(checks, "public_api")
     for s in c["stats"]:  # every rank
-        assert s["fields"] == ["clip_coef", "clipped", "found_inf", "max_norm", "norm_type", "param_count",
-                               "strategy", "total_norm"], s
+        assert s["fields"] == CLIP_STATS_FIELDS, s
         assert s["max_norm"] is None and s["clip_coef"] == 1.0 and s["clipped"] is False and s["unchanged"], s
         assert s["param_count"] == s["owned_muon"] and s["found_inf"] is False and s["strategy"] == "global_norm"
         assert s["zero_dim"] and s["kept"], s

@@ -157,20 +157,24 @@ def _gradients(state: DMuonState, model: nn.Module | None,
     """(the local gradient tensors to scale, those to count in the norm): each gradient counts once over ranks.
     The model form takes every gradient; the optimizer form the matrices of its Muon groups."""
     on_muon = None if optimizer is None else {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
-    dedicated = [p._reduced_grad for p in state.params.values()  # on the one owner of each
-                 if p._reduced_grad is not None and (on_muon is None or id(p) in on_muon)]
+    holders = [p for p in state.params.values()  # the one owner of each (with TP: of each in its TP column)
+               if p._reduced_grad is not None and (on_muon is None or id(p) in on_muon)]
+    dedicated = [p._reduced_grad for p in holders]
     shards, replicated = [], []
     for p in model.parameters() if model is not None else ():
         if p not in state.name_of and p.grad is not None:
             (shards if isinstance(p.grad, DTensor) else replicated).append(p.grad)
     local = dedicated + [g.to_local() for g in shards] + replicated
     # A shard is the same in every replica (and, unless it is tensor-parallel too, in every TP column: tp.py), a
-    # plain gradient on every rank. A TP-sharded dedicated matrix's shards are disjoint: each counts. The DDP
-    # backend's DTensors are TP shards, whole on every DP rank: those of DP index 0 count.
+    # plain gradient on every rank. A TP-sharded dedicated matrix's shards are disjoint: each counts. A dedicated
+    # matrix that is not TP-sharded in a TP model (an nn.MultiheadAttention, which has no TP plan) has an owner in
+    # every TP column, each with the same gradient: the one in TP column 0 counts. The DDP backend's DTensors are
+    # TP shards, whole on every DP rank: those of DP index 0 count.
     first_copy = state.rank == 0 if state.holds_every_matrix else state.replica == 0
-    counted = dedicated + ([g.to_local() for g in shards if state.tp_index == 0
-                            or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if first_copy else []) + (
-        replicated if dist.get_rank() == 0 else [])
+    counted = [p._reduced_grad for p in holders if state.tp_index == 0 or getattr(p, "_dmuon_tp", None) is not None]
+    counted += [g.to_local() for g in shards if state.tp_index == 0
+                or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if first_copy else []
+    counted += replicated if dist.get_rank() == 0 else []
     return local, counted
 
 

@@ -657,10 +657,13 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                 "mesh['dp'], ...), then dmuon.replicate_tp(model, mesh['dp'])"
             )
         if tp.shard_dim(p, tp_mesh) is not None and routes[name] != "muon":
+            # The DDP backend refuses 'sharded_adamw' (above), so it must not be the way out there.
             raise ValueError(
                 f"param_policy routes the tensor-parallel matrix {name} to AdamW on its owner, which dmuon_edu does "
-                "not do for TP shards: route it to 'sharded_adamw' (fully_shard then shards it with its TP layout) "
-                "or to 'muon'"
+                "not do for TP shards: " + (
+                    "route it to 'muon', or leave it out of the predicate (dmuon.replicate_tp then averages its "
+                    "shards' gradients and every rank steps them with AdamW)" if state_type.holds_every_matrix else
+                    "route it to 'sharded_adamw' (fully_shard then shards it with its TP layout) or to 'muon'")
             )
         if p.ndim != 2:
             raise ValueError(

@@ -106,6 +106,26 @@ class Pooled(nn.Module):
         return self.head(h.mean(dim=1))
 
 
+class PooledTP(Pooled):
+    """Pooled with one Block before the pool, for tensor parallelism: parallelize() shards the block's matrices over
+    the TP axis, while the nn.MultiheadAttention stays replicated over it (torch has no TP plan for it: its packed
+    in_proj cannot be column-split as is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block()])
+
+    def forward(self, x):
+        h = self.layers[0](self.embed(x.unsqueeze(-1)))
+        h, _ = self.pool(h, h, h, need_weights=False)
+        return self.head(h.mean(dim=1))
+
+
+def pooled_tp_boundary(module):
+    """PooledTP's hook boundaries: the MHA (it reads out_proj.weight itself) and the block."""
+    return isinstance(module, (nn.MultiheadAttention, Block))
+
+
 def pooled_matrices(name, p):
     return name.startswith("pool.") and p.ndim == 2  # in_proj_weight, out_proj.weight
 
@@ -167,9 +187,11 @@ def parallelize(model, mesh):
 
 
 def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, compiled=False, hsdp=False,
-          replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, tp=False, **dedicate_kwargs):
+          replicate_async=True, wrapped=False, frozen=(), muon_kwargs=None, tp=False, net=None, **dedicate_kwargs):
+    """dmuon on FSDP2 (Net, or ``net()``: a model with ``layers``); ``muon_kwargs`` may be a function of the model
+    (param_groups are built from its parameters)."""
     torch.manual_seed(seed)
-    model = Net(tied, checkpointed).to(mesh.device_type)
+    model = (Net(tied, checkpointed) if net is None else net()).to(mesh.device_type)
     if tp:  # tensor parallelism first, then activation checkpointing, as torchtitan orders them
         parallelize(model, tp_mesh(mesh.device_type))
     if wrapped:  # each block in a CheckpointWrapper: its names gain "_checkpoint_wrapped_module."
@@ -193,7 +215,11 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
     if compiled:  # per block; aot_eager: no C++ to compile on 2 cores
         for layer in model.layers:
             layer.compile(backend="aot_eager")
-    return model, muon_of(model, replicate_async=replicate_async, **(muon_kwargs or {}))
+    return model, muon_of(model, replicate_async=replicate_async, **_muon_kwargs(model, muon_kwargs))
+
+
+def _muon_kwargs(model, muon_kwargs):
+    return (muon_kwargs(model) if callable(muon_kwargs) else muon_kwargs) or {}
 
 
 def muon_of(model, **kwargs):
@@ -209,27 +235,37 @@ def reference_optimizers(ref, selects, muon_class=muon.Muon):
             torch.optim.AdamW([p for n, p in ref.named_parameters() if not selects(n, p)], **ADAMW)]
 
 
-def reference_step(ref, optimizers, step, tp=False):
-    """One step of the single-process reference on step ``step``'s whole global batch, clipped like dmuon."""
+def reference_step(ref, optimizers, step, tp=False, clip_log=None):
+    """One step of the single-process reference on step ``step``'s whole global batch, clipped like dmuon. With
+    ``clip_log`` (a list) it appends the norm of the gradients of ``optimizers[0]`` (the Muon matrices) and the
+    norm of every gradient, both before the clip."""
     _, (x, y), total = window(step, *data_coordinates(tp))
     F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    if clip_log is not None:
+        muon_norm = torch.stack([p.grad.norm() for g in optimizers[0].param_groups for p in g["params"]]).norm()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    if clip_log is not None:
+        clip_log.append((muon_norm.item(), norm.item()))
     for o in optimizers:
         o.step()
         o.zero_grad()
 
 
-def train_side_by_side(model, opt, ref, ref_optimizers, steps=2, tp=False):
+def train_side_by_side(model, opt, ref, ref_optimizers, steps=2, tp=False, clip_log=None):
     """Train dmuon and the single-process reference (full batch, same clipping) at a constant lr; the max
-    |difference| of any parameter after each step, and the largest change of the reference's parameters."""
+    |difference| of any parameter after each step, and the largest change of the reference's parameters. With
+    ``clip_log`` (a dict) its "dmuon" and "reference" lists get each step's clip statistics (train_window,
+    reference_step)."""
     rank, world = data_coordinates(tp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     max_diff = 0.0
     for step in range(steps):
         mine, _, total = window(step, rank, world)
-        train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp)
-        reference_step(ref, ref_optimizers, step, tp=tp)
+        train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp,
+                     clip_log=None if clip_log is None else clip_log.setdefault("dmuon", []))
+        reference_step(ref, ref_optimizers, step, tp=tp,
+                       clip_log=None if clip_log is None else clip_log.setdefault("reference", []))
         ours = full_params(model)
         max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
     moved = max((p.detach() - initial[n]).abs().max().item() for n, p in ref.named_parameters())
@@ -240,9 +276,10 @@ def schedule(step):
     return 1.0 / (1.0 + step)
 
 
-def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp=False):
+def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp=False, clip_log=None):
     """One optimizer step over this rank's micro-batches (the forward under bf16 autocast with ``autocast``);
-    the global gradient norm before clipping."""
+    the global gradient norm before clipping. With ``clip_log`` (a list) it appends the statistics of
+    opt.clip_grad_norm_(None) (the Muon gradients, measured only) and of the model's clip."""
     _, world = data_coordinates(tp)
     for j, (x, y) in enumerate(mine):
         ctx = dmuon.no_sync(model) if use_no_sync and j < K - 1 else contextlib.nullcontext()
@@ -251,7 +288,10 @@ def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp
                 out = model(x)
             loss = F.mse_loss(out.float(), y, reduction="sum") * world / (total * OUT)
             loss.backward()
+    measured = opt.clip_grad_norm_(None) if clip_log is not None else None
     norm = dmuon.clip_grad_norm_(model, MAX_NORM)
+    if clip_log is not None:
+        clip_log.append((measured, norm))
     opt.step()
     sched.step()
     opt.zero_grad()
@@ -990,6 +1030,17 @@ def grouped(model):
              "adamw_lr": 5e-3}]
 
 
+def grouped_reference_optimizers(ref, on_muon, muon_class=muon.Muon):
+    """The single-process reference of dmuon.Muon(param_groups=grouped(model)): Muon at the "rest" group's lr on
+    the matrices ``on_muon`` picks; AdamW without weight decay on the 1-D parameters and at 5e-3 on the other
+    matrices."""
+    named = dict(ref.named_parameters())
+    return [muon_class([p for n, p in named.items() if on_muon(n, p)], **{**HYPER, "lr": 0.01}, ns_dtype=torch.float32),
+            torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
+                               {"params": [p for n, p in named.items() if p.ndim == 2 and not on_muon(n, p)],
+                                "lr": 5e-3}], **ADAMW)]
+
+
 ROUTED = {"layers.0.k_proj.weight": "adamw", "layers.0.q_proj.weight": "sharded_adamw"}
 POLICY = {"overrides": [{"name": name.removesuffix(".weight"), "set": {"route": route}} for name, route in ROUTED.items()]}
 
@@ -1005,14 +1056,8 @@ def check_param_groups(mesh):
     model, opt = make(0)
     torch.manual_seed(0)
     ref = Net()
-    on_muon = lambda n, p: predicate(n, p) and n not in ROUTED  # noqa: E731
-    named = dict(ref.named_parameters())
-    ref_optimizers = [
-        muon.Muon([p for n, p in named.items() if on_muon(n, p)], **{**HYPER, "lr": 0.01}, ns_dtype=torch.float32),
-        torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
-                           {"params": [p for n, p in named.items() if p.ndim == 2 and not on_muon(n, p)], "lr": 5e-3}],
-                          **ADAMW)]
-    diff, moved = train_side_by_side(model, opt, ref, ref_optimizers)
+    diff, moved = train_side_by_side(model, opt, ref, grouped_reference_optimizers(
+        ref, lambda n, p: predicate(n, p) and n not in ROUTED))
     kinds = {n: ("dedicated" if n in model._dmuon.params else "dtensor" if isinstance(p, DTensor) else "plain")
              for n, p in model.named_parameters() if n in ROUTED}
     # The AdamW-routed matrix's state (exp_avg, exp_avg_sq, step: full, by name) resumes bit-identically.
@@ -1205,9 +1250,10 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, **dedicate_kwargs):
+def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, net=Net, **dedicate_kwargs):
+    """dmuon's DDP backend (with ``tp``: DDP + TP); ``net`` and ``muon_kwargs`` as for build."""
     torch.manual_seed(seed)
-    model = Net().to(mesh.device_type)
+    model = net().to(mesh.device_type)
     mesh2d = tp_mesh(mesh.device_type) if tp else None
     if tp:
         parallelize(model, mesh2d)
@@ -1219,7 +1265,7 @@ def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, **dedicat
     else:
         dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
         dmuon.replicate(model, mesh)
-    return model, muon_of(model, **(muon_kwargs or {}))
+    return model, muon_of(model, **_muon_kwargs(model, muon_kwargs))
 
 
 def check_ddp_tp(mesh):
@@ -1276,6 +1322,76 @@ def check_ddp_tp(mesh):
            held_everywhere=all(per_rank(dmuon.held_bytes(model) == local_bytes == dedicated_bytes(ref) // 2)),
            max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched),
                                                            tp=True))
+
+
+DDP_TP_ROUTED = "pool.out_proj.weight"  # not TP-sharded (the MHA stays replicated over TP): it may go to AdamW
+
+
+def check_ddp_tp_api(mesh):
+    """The public API on DDP + TP, PooledTP on (dp, tp) = (W/2, 2), 2 steps against one process with the same
+    groups, coefficients and clipping: param_groups, param_policy routing the MHA's out_proj to AdamW, the Polar
+    Express ns_backend, a hook boundary predicate, and both clip forms' statistics (opt.clip_grad_norm_(None): the
+    Muon gradients, measured; dmuon.clip_grad_norm_(model, MAX_NORM): every gradient, clipped)."""
+    policy = {"overrides": [{"name": DDP_TP_ROUTED.removesuffix(".weight"), "set": {"route": "adamw"}}]}
+    model, opt = build_ddp(mesh, tp=True, net=PooledTP, param_policy=policy, hook_boundary_predicate=pooled_tp_boundary,
+                           muon_kwargs=lambda m: {"param_groups": grouped(m), "ns_backend": polar_express()})
+    torch.manual_seed(0)
+    ref = PooledTP()
+    log = {}
+    diff, moved = train_side_by_side(model, opt, ref, grouped_reference_optimizers(
+        ref, lambda n, p: predicate(n, p) and n != DDP_TP_ROUTED, PolarExpressMuon), tp=True, clip_log=log)
+    clips = []
+    for (measured, clipped), (ref_muon_norm, ref_norm) in zip(log["dmuon"], log["reference"]):
+        ref_coef = min(1.0, MAX_NORM / (ref_norm + 1e-6))  # torch's clip_grad_norm_ coefficient
+        clips.append(dict(
+            muon_norm_rel_diff=abs(measured.total_norm.item() - ref_muon_norm) / ref_muon_norm,
+            norm_rel_diff=abs(clipped.total_norm.item() - ref_norm) / ref_norm,
+            coef_rel_diff=abs(float(clipped.clip_coef) - ref_coef) / ref_coef, reference_norm=ref_norm,
+            reference_clipped=ref_norm > MAX_NORM,
+            per_rank=per_rank({"norms": [measured.total_norm.item(), clipped.total_norm.item()],
+                               "fields": [sorted(s.as_dict()) for s in (measured, clipped)],
+                               "max_norm": [measured.max_norm, clipped.max_norm],
+                               "clip_coef_measured": float(measured.clip_coef),
+                               "clipped": [bool(measured.clipped), bool(clipped.clipped)],
+                               "found_inf": [bool(measured.found_inf), bool(clipped.found_inf)],
+                               "strategy": [measured.strategy, clipped.strategy]})))
+    torch.manual_seed(0)
+    jordan = PooledTP()  # the default coefficients, for scale: the comparison above must tell the two apart
+    jordan_optimizers = grouped_reference_optimizers(jordan, lambda n, p: predicate(n, p) and n != DDP_TP_ROUTED)
+    for step in range(2):
+        reference_step(jordan, jordan_optimizers, step, tp=True)
+    routes = {row["name"]: row["route"] for row in dmuon.summarize_param_groups(model, opt)["parameters"]}
+    # A TP-sharded matrix routed to AdamW is refused on every rank, naming what this backend can do instead.
+    sharded_route = {"overrides": [{"name": "layers.0.k_proj", "set": {"route": "adamw"}}]}
+    refused = error_of(lambda: build_ddp(mesh, tp=True, net=PooledTP, param_policy=sharded_route,
+                                         hook_boundary_predicate=pooled_tp_boundary))
+    report("ddp_tp_api", max_abs_diff=diff, largest_change=moved, clips=clips, max_norm=MAX_NORM,
+           differs_from_jordan=max((a - b).abs().max().item() for a, b in zip(ref.parameters(), jordan.parameters())),
+           sharded_adamw_refusal=per_rank(refused),
+           units=[u.path for u in model._dmuon.units], groups=[g["group_name"] for g in opt.param_groups],
+           routed=routes.get(DDP_TP_ROUTED),
+           tp_sharded=sorted(n for n, p in model._dmuon.params.items() if getattr(p, "_dmuon_tp", None)))
+
+
+def check_hook_boundaries_tp(mesh):
+    """PooledTP: a TP-sharded block, then an nn.MultiheadAttention that stays replicated over TP, every matrix
+    dedicated on mesh["dp"] with a hook boundary predicate: FSDP2 + TP in Z3 and Z2 and DDP + TP, 2 steps with
+    clipping against one process."""
+    result = {}
+    for layout in ("z3", "z2", "ddp"):
+        if layout == "ddp":
+            model, opt = build_ddp(mesh, tp=True, net=PooledTP, hook_boundary_predicate=pooled_tp_boundary)
+        else:
+            model, opt = build(mesh, layout == "z3", tp=True, net=PooledTP, hook_boundary_predicate=pooled_tp_boundary)
+        torch.manual_seed(0)
+        ref = PooledTP()
+        diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate), tp=True)
+        result[layout] = dict(
+            max_abs_diff=diff, largest_change=moved, units=[u.path for u in model._dmuon.units],
+            storage_ok=all(per_rank(_storage_ok(model))),
+            tp_sharded=sorted(n for n, p in model._dmuon.params.items() if getattr(p, "_dmuon_tp", None)),
+            dedicated=sorted(model._dmuon.params))
+    report("hook_boundaries_tp", **result)
 
 
 def replicated_muon_step(ddp, optimizers, mine, total, use_no_sync):
@@ -1439,6 +1555,8 @@ def main():
             check_hsdp_frozen(mesh)
             check_tp_resume(mesh, directory)
             check_ddp_tp(mesh)
+            check_ddp_tp_api(mesh)
+            check_hook_boundaries_tp(mesh)
             for layout in ("tp", "ddp_tp"):
                 check_wrapped_checkpoints(mesh, layout)
             check_frozen(mesh, tp=True)
