@@ -22,7 +22,8 @@ count_comm counts (the whole tensor on every rank taking part):
   backward as soon as a bucket is complete: P_R (N * P_R without no_sync);
 - broadcast of the updated matrices from their owners, one per (owner, dtype), issued
   at the end of ``step()`` and waited at the next forward (``dmuon.Muon(...,
-  replicate_async=True)``, the default) or within ``step()``: P_M;
+  replicate_async=True)``, the default; a direct read of a non-owner's matrix before it
+  waits first: placeholder.py) or within ``step()``: P_M;
 - the step's all-reduce of a few numbers (optim.py).
 
 DDP with replicated Muon moves 2(W-1)/W * (P_M + P_R) per rank on a ring all-reduce; this
@@ -129,7 +130,8 @@ class DDPState(DMuonState):
             if p.requires_grad:  # a frozen matrix never changes
                 packs.setdefault((self.owner_of(p), str(p._dmuon_dtype)), []).append(p)
         self.publishing += start_packed_broadcasts(packs, self.rank, self.group, self.mesh_device, self.order,
-                                                   "the post-step broadcast of {n} matrices from rank {source}")
+                                                   "the post-step broadcast of {n} matrices from rank {source}",
+                                                   self.wait_published)
 
     def wait_published(self) -> None:
         """Wait for the step's broadcasts and copy the owners' results into every other rank's matrices."""

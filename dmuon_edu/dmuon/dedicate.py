@@ -425,16 +425,21 @@ class DMuonState:
             if self.owns(p) and p.requires_grad:  # a frozen matrix never changes
                 packs.setdefault((p._dmuon_replica, str(p._dmuon_dtype)), []).append(p)
         self.publishing += start_packed_broadcasts(packs, self.replica, self.replicate_group, self.mesh_device,
-                                                   self.replicate_order, "the publish of {n} matrices from replica {source}")
+                                                   self.replicate_order,
+                                                   "the publish of {n} matrices from replica {source}",
+                                                   self.wait_published)
 
     def wait_published(self) -> None:
         """Wait for the step's published matrices and copy them into this replica's holders' masters."""
         finish_packed_broadcasts(self.publishing, self.replica, self.replicate_order)
 
 def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me: int, group: dist.ProcessGroup,
-                            device: torch.device, order: CollectiveOrder, what: str) -> list[InFlight]:
+                            device: torch.device, order: CollectiveOrder, what: str,
+                            land: Callable[[], None]) -> list[InFlight]:
     """Start one asynchronous broadcast per (source, dtype) pack of matrices' masters, from the source's rank
-    in ``group``; ``what`` names it for the order check ("{n}" matrices, "{source}")."""
+    in ``group``; ``what`` names it for the order check ("{n}" matrices, "{source}"). Until ``land()`` (which
+    calls :func:`finish_packed_broadcasts`) a receiver's matrices hold the previous values, so their first
+    read calls it (placeholder.publishing)."""
     started = []
     for (source, _), params in sorted(packs.items()):
         if source == me:
@@ -445,6 +450,9 @@ def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me
         event = order.check(description)
         work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
         started.append(InFlight(event, description, source, params, flat, work))
+        if source != me:
+            for p in params:
+                placeholder.publishing(p, land)
     return started
 
 
@@ -459,6 +467,7 @@ def finish_packed_broadcasts(started: list[InFlight], me: int, order: Collective
         for p in sent.params:
             p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
             offset += p._dmuon_shape.numel()
+            placeholder.landed(p)
     started.clear()
 
 

@@ -22,6 +22,14 @@ A tensor-parallel shard (a DTensor, tp.py) keeps its class: DTensor's layout is 
 plain tensor's, so ``__class__`` cannot change. Its local tensor is what comes and goes
 (an empty one between uses), and reads between uses meet DTensor's shape checks, not the
 named refusal above.
+
+A rank that holds a matrix whose step result is still on its way to it (the DDP
+backend's non-owners, HSDP's holders in the other replicas, after ``step()`` with
+``replicate_async=True``) would read the previous step's values. Until the result lands
+the parameter's class is :class:`PublishingParameter` (a DTensor's, :class:`PublishingDTensor`:
+a DTensor subclass keeps DTensor's layout, so that class can change): its first read of
+values waits for the publish (which lands every matrix of it) and then reads. The forward
+waits before its first dedicated layer, so the layers compute with plain parameters.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DedicatedParameter", "make_placeholder", "hold", "release", "is_resident"]
+__all__ = ["DedicatedParameter", "PublishingParameter", "PublishingDTensor", "make_placeholder", "hold", "release",
+           "is_resident", "publishing", "landed"]
 
 # Metadata a placeholder answers for the matrix: these read no values.
 _SHAPE_ANSWERS = {
@@ -143,3 +152,64 @@ def release(p: DedicatedParameter) -> None:
         with torch._C.DisableTorchFunctionSubclass():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p._dmuon_resident = False
+
+
+class _Publishing:
+    """What :class:`PublishingParameter` and :class:`PublishingDTensor` add: a read of values first lands the
+    publish in flight (``p._dmuon_land``, the state's wait_published, which calls :func:`landed`)."""
+
+    __slots__ = ()  # no layout of its own: __class__ can switch between it and the plain class
+
+    @classmethod
+    def __torch_function__(cls, func, _types=(), args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name_of(func)
+        if name not in _PASS_THROUGH and name not in _SHAPE_ANSWERS:  # metadata and zero_grad() do not wait
+            for a in _tensors_in((*args, *kwargs.values())):
+                if isinstance(a, _Publishing):
+                    a._dmuon_land()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    # Python-level reads that reach the values without a torch function first:
+    def __reduce_ex__(self, proto):  # torch.save(p) pickles __dict__ before it reads .data
+        self._dmuon_land()
+        return self.__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):  # nn.Parameter's would build type(self) before reading .data
+        self._dmuon_land()
+        return self.__deepcopy__(memo)
+
+
+class PublishingParameter(_Publishing, nn.Parameter):
+    """A matrix this rank holds whose step result is on its way (see the module docstring)."""
+
+
+class PublishingDTensor(_Publishing, DTensor):
+    """A TP shard this rank holds whose step result is on its way: DTensor's Python-level reads land it too."""
+
+    def to_local(self, *args, **kwargs):
+        self._dmuon_land()
+        return self.to_local(*args, **kwargs)
+
+    def full_tensor(self, *args, **kwargs):
+        self._dmuon_land()
+        return self.full_tensor(*args, **kwargs)
+
+    def redistribute(self, *args, **kwargs):
+        self._dmuon_land()
+        return self.redistribute(*args, **kwargs)
+
+
+def publishing(p: nn.Parameter, land) -> None:
+    """Mark ``p`` as awaiting its step result: its next read calls ``land()`` first, which must call
+    :func:`landed` on it."""
+    p._dmuon_land = land
+    p.__class__ = PublishingDTensor if isinstance(p, DTensor) else PublishingParameter
+
+
+def landed(p: nn.Parameter) -> None:
+    """``p`` holds its step result: a plain parameter again."""
+    if isinstance(p, _Publishing):
+        p.__class__ = DTensor if isinstance(p, DTensor) else nn.Parameter
+        del p._dmuon_land

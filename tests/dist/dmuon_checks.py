@@ -212,14 +212,19 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
-    if compiled:  # per block; aot_eager: no C++ to compile on 2 cores
-        for layer in model.layers:
-            layer.compile(backend="aot_eager")
+    if compiled:
+        compile_blocks(model)
     return model, muon_of(model, replicate_async=replicate_async, **_muon_kwargs(model, muon_kwargs))
 
 
 def _muon_kwargs(model, muon_kwargs):
     return (muon_kwargs(model) if callable(muon_kwargs) else muon_kwargs) or {}
+
+
+def compile_blocks(model):
+    """torch.compile per block; aot_eager: no C++ to compile on 2 cores."""
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
 
 
 def muon_of(model, **kwargs):
@@ -402,25 +407,33 @@ def check_placeholders(mesh):
            repr_names_owner=f"owned by rank {owner}" in repr(p))
 
 
-def check_compiled(mesh):
-    """Per-block torch.compile (aot_eager) against eager dmuon: the same steps, and no recompile after warm-up."""
+def check_compiled(mesh, backend="fsdp2"):
+    """Per-block torch.compile (aot_eager) against eager dmuon (Z3, or the DDP backend): the same steps, and no
+    recompile after warm-up (the graphs compiled so far in this process, per rank, after each step).
+
+    Dynamo's default limit of 8 compilations per code object is reached on rank 1 (nn.Linear.forward serves
+    three weight shapes, with and without bias, over micro-batch sizes 1 to 5), and past it Dynamo runs the
+    frame eagerly without a word: the limit is raised for the check, and reaching it fails the check."""
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {}
     for compiled in (False, True):
-        model, opt = build(mesh, zero3=True, compiled=compiled)
+        model, opt = (build(mesh, zero3=True, compiled=compiled) if backend == "fsdp2"
+                      else build_ddp(mesh, compiled=compiled))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         graphs = []
-        for step in range(STEPS + 1):
-            mine, _, total = window(step, rank, world)
-            train_window(model, opt, sched, mine, total, use_no_sync=True)
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        with torch._dynamo.config.patch(recompile_limit=32, fail_on_recompile_limit_hit=True):
+            for step in range(STEPS + 1):
+                mine, _, total = window(step, rank, world)
+                train_window(model, opt, sched, mine, total, use_no_sync=True)
+                graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         runs[compiled] = (full_params(model), graphs)
     (eager, _), (compiled, graphs) = runs[False], runs[True]
-    report("compiled", max_abs_diff=max((eager[n] - compiled[n]).abs().max().item() for n in eager),
-           graphs_after_each_step=graphs)
+    report("compiled" if backend == "fsdp2" else f"compiled_{backend}",
+           max_abs_diff=max((eager[n] - compiled[n]).abs().max().item() for n in eager),
+           graphs_after_each_step=per_rank(graphs))
 
 
-def check_mixed_precision(mesh, zero3, via_compute_dtype=False):
+def check_mixed_precision(mesh, zero3, via_compute_dtype=False, backend="fsdp2"):
     """bf16 compute with dedicated matrices, against one process computing in the same precision: FSDP2's
     bf16 policy, or (``via_compute_dtype``) dedicate_params' compute_dtype, in the public positional order,
     without a policy and with the forward under autocast.
@@ -432,10 +445,12 @@ def check_mixed_precision(mesh, zero3, via_compute_dtype=False):
     so the float32 tolerance applies. It applies while both sides round the same float32 masters to bf16: a
     master that differs by 1e-7 can round to the neighbouring bf16 value (1 part in 256) at a later step. The
     compute_dtype run is compared after its first step (the initial masters are the same), where that cannot
-    happen.
+    happen. ``backend="ddp"``: the compute_dtype run on the DDP backend (dedicate_params_ddp + replicate).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    if via_compute_dtype:
+    if backend == "ddp":
+        model, opt = build_ddp(mesh, compute_dtype=torch.bfloat16)
+    elif via_compute_dtype:
         torch.manual_seed(0)
         model = Net().to(mesh.device_type)
         dmuon.dedicate_params(model, mesh, predicate, torch.bfloat16, zero3)  # (model, mesh, predicate, compute_dtype, reshard_after_forward)
@@ -482,17 +497,18 @@ def check_mixed_precision(mesh, zero3, via_compute_dtype=False):
             s.step()
         ours = full_params(model)
         max_diff = max(max_diff, max((ours[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()))
-    owned = [p for p in state.params.values() if state.owns(p)]
+    owned = [p for p in state.params.values() if state.steps(p)]
     moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _initial_params()))
     refused = None
-    if via_compute_dtype:  # a compute_dtype other than the policy's param_dtype: refused when Muon is built
+    if via_compute_dtype and backend == "fsdp2":  # a compute_dtype other than the policy's: refused when Muon is built
         torch.manual_seed(0)
         other = Net().to(mesh.device_type)
         dmuon.dedicate_params(other, mesh, predicate, torch.float16)
         for module in [*other.layers, other]:
             fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         refused = per_rank(error_of(lambda: muon_of(other)))
-    report(f"{'compute_dtype' if via_compute_dtype else 'mixed_precision'}_{'z3' if zero3 else 'z2'}",
+    report(f"{'compute_dtype' if via_compute_dtype else 'mixed_precision'}_{'z3' if zero3 else 'z2'}"
+           f"{'' if backend == 'fsdp2' else '_' + backend}",
            max_abs_diff=max_diff, largest_change=moved, refused=refused,
            forward_dtypes=sorted(seen),
            master_dtypes=sorted({str(p.dtype) for p in owned}),
@@ -1250,10 +1266,11 @@ def _initial_model():
     return Net()
 
 
-def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, net=Net, **dedicate_kwargs):
-    """dmuon's DDP backend (with ``tp``: DDP + TP); ``net`` and ``muon_kwargs`` as for build."""
+def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, tied=False, compiled=False, net=None,
+              **dedicate_kwargs):
+    """dmuon's DDP backend (with ``tp``: DDP + TP); ``tied``, ``compiled``, ``net`` and ``muon_kwargs`` as for build."""
     torch.manual_seed(seed)
-    model = net().to(mesh.device_type)
+    model = (Net(tied) if net is None else net()).to(mesh.device_type)
     mesh2d = tp_mesh(mesh.device_type) if tp else None
     if tp:
         parallelize(model, mesh2d)
@@ -1265,6 +1282,8 @@ def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, net=Net, 
     else:
         dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
         dmuon.replicate(model, mesh)
+    if compiled:
+        compile_blocks(model)
     return model, muon_of(model, **_muon_kwargs(model, muon_kwargs))
 
 
@@ -1515,6 +1534,72 @@ def check_ddp(mesh):
                                                                     for p in model._dmuon.params.values()}))
 
 
+def check_direct_reads(mesh, backend):
+    """Direct reads of every dedicated matrix right after step(), before the next forward, on every rank that
+    holds it: the DDP backend's ("ddp", "ddp_tp": its TP shards), whose non-owners, or HSDP's ("hsdp": 2 x W/2),
+    whose holders in the replica that does not step it, are still receiving the step's result
+    (replicate_async=True). Each kind of read is the first after its own step: p.clone() after step 0,
+    torch.save(model.state_dict()) after step 1, an EMA of the weights (torch._foreach_mul_ / _foreach_add_)
+    after step 2. Every rank's read against the rank that made the result (in its TP column), and how far each
+    step moved the matrices (what a stale read would be off by). HSDP runs as 2 x 1 on 2 ranks (with more shards
+    a non-holder's model.state_dict() is refused by name); "ddp_tp" needs (dp, tp) = (2, 2)."""
+    tp = backend == "ddp_tp"
+    rank, world = data_coordinates(tp)
+    model, opt = build_ddp(mesh, tp=tp) if backend != "hsdp" else build(mesh, zero3=True, hsdp=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    state = model._dmuon
+    names = [n for n, p in state.params.items() if state.owns(p)]  # HSDP's non-holders refuse reads by name
+    params = [state.params[n] for n in names]
+    ema = [p.detach().clone() for p in params]
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+
+    def update_ema():
+        torch._foreach_mul_(ema, 0.9)
+        torch._foreach_add_(ema, params, alpha=0.1)
+
+    def saved():
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        buffer.seek(0)
+        loaded = {fqn(k): v for k, v in torch.load(buffer, weights_only=False).items()}
+        return [loaded[n] for n in names]
+
+    reads, moved = {}, []
+    for step, kind in enumerate(("clone", "torch.save(model.state_dict())", "ema")):
+        before = [local(p.detach()).clone() for p in params]
+        mine, _, total = window(step, rank, world)
+        train_window(model, opt, sched, mine, total, use_no_sync=True, tp=tp)
+        if kind == "ema":
+            update_ema()
+            read = [e.clone() for e in ema]
+        else:
+            read = [p.clone() for p in params] if kind == "clone" else saved()
+            update_ema()
+        reads[kind] = {n: local(r) for n, r in zip(names, read)}
+        moved.append(min((local(p.detach()) - b).abs().max().item() for p, b in zip(params, before)))  # landed now
+    # the ranks whose masters the step wrote (the others receive them): the owner, HSDP's stepping replica's holder
+    made_here = {n: state.receives_gradient(p) and p._dmuon_replica == state.replica for n, p in zip(names, params)}
+    everyone = per_rank((state.tp_index, made_here, reads))
+    maker = {(column, n): theirs for column, made, theirs in everyone for n, here in made.items() if here}
+    differences = {kind: max((theirs[kind][n] - maker[column, n][kind][n]).abs().max().item()
+                             for column, _, theirs in everyone for n in theirs[kind]) for kind in reads}
+    report(f"direct_reads_{backend}", max_abs_diff_to_stepper=differences,
+           min_change_by_a_step=min(per_rank(min(moved))),
+           matrices_read_per_rank=[len(theirs["clone"]) for _, _, theirs in everyone],
+           stepped_elsewhere_per_rank=[sum(not here for here in made.values()) for _, made, _ in everyone])
+
+
+def check_ddp_tied(mesh):
+    """The DDP backend with one matrix reached from two layers (Net(tied=True)): 2 steps with no_sync against
+    one process."""
+    model, opt = build_ddp(mesh, tied=True)
+    torch.manual_seed(0)
+    ref = Net(tied=True)
+    diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate))
+    report("ddp_tied", max_abs_diff=diff, largest_change=moved,
+           tied_units=len(model._dmuon.units_of[model.layers[0].up_proj.weight]))
+
+
 def _planned_bytes(model):
     """summarize_comm_plan's planned broadcast and reduce bytes of one pass (this rank's)."""
     totals = dmuon.summarize_comm_plan(model)["totals"]
@@ -1560,6 +1645,7 @@ def main():
             for layout in ("tp", "ddp_tp"):
                 check_wrapped_checkpoints(mesh, layout)
             check_frozen(mesh, tp=True)
+            check_direct_reads(mesh, "ddp_tp")
         if real_use:
             check_compiled(mesh)
             check_public_api(mesh, directory)
@@ -1574,6 +1660,11 @@ def main():
             check_ddp(mesh)
             check_partial_clip(mesh, backend="ddp")
             check_wrapped_checkpoints(mesh, "ddp")
+            check_ddp_tied(mesh)
+            check_compiled(mesh, backend="ddp")
+            check_mixed_precision(mesh, zero3=True, via_compute_dtype=True, backend="ddp")
+            for backend in ("ddp", "hsdp"):
+                check_direct_reads(mesh, backend)
         if ranks.rank == 0:
             check_channel.done()
 
