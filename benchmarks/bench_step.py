@@ -36,14 +36,15 @@ TP group get the same batch):
   runs Newton-Schulz once, and scatters the update (dmuon_edu/dmuon/tp.py).
 
 "blocked" is the time a rank spends waiting for dmuon's collectives (every wait goes
-through the collective-order check's ``waiting``), averaged over ranks, and its share
-of the step. Two more phases, averaged over ranks: the TP gather and scatter around the
+through the collective-order check's ``waiting``), averaged over ranks, and its share of
+the step. Two more phases, averaged over ranks: the TP gather and scatter around the
 optimizer step (dmuon's tp.gather_gradients and tp.apply_updates, or WholeMatrixMuon's
-full_tensor gathers and shard cuts; waits included, so a rank that waits there for its TP
-owner's Newton-Schulz counts that time too), and Muon's local steps (momentum,
-Newton-Schulz, the update: dmuon_edu.muon.Muon's, inside dmuon as in the baselines). On a 2-core CPU gloo's asynchronous work does not overlap compute (both
-compete for the same cores), so prefetching shows here as a schedule (tests/test_dmuon.py
-proves its order), not as time; the GPU is where it saves time.
+full_tensor gathers and shard cuts; waits included, so a rank that waits there for its
+TP owner's Newton-Schulz counts that time too), and Muon's local steps (momentum,
+Newton-Schulz, the update: dmuon_edu.muon.Muon's, inside dmuon as in the baselines). On
+a 2-core CPU gloo's asynchronous work does not overlap compute (both compete for the
+same cores), so prefetching shows here as a schedule (tests/test_dmuon.py proves its
+order), not as time; the GPU is where it saves time.
 """
 
 import contextlib
