@@ -123,7 +123,11 @@ def worker():
                 p._reduced_grad = None
                 p.grad = g.clone()
                 state.on_grad(p)
-            state.finish_backward()
+            # finish_backward queues a callback on the autograd engine (its sample for the clip check), which
+            # only a running backward accepts: call it from a hook of a one-element backward
+            x = torch.zeros((), requires_grad=True)
+            (y := x * 1).register_hook(lambda grad: state.finish_backward())
+            y.backward()
             opt.step()
 
         def replicated_step():

@@ -12,7 +12,8 @@ Each row sets a measured number beside what it is judged against, both from this
 - a full training step (4 micro-batches, then the optimizer step) of dmuon Z2, Z3 and Z3
   without prefetch, of DDP with replicated Muon and with AdamW, and of dmuon's DDP
   backend, against FSDP2 + AdamW on 2 and 4 ranks, and the DDP backend against DDP with
-  replicated Muon (bench_step.measure);
+  replicated Muon; on 4 ranks as (dp, tp) = (2, 2), dmuon Z3 + TP and the DDP backend + TP
+  each against its layout's AdamW and whole-matrix Muon (bench_step.measure);
 - the time a dmuon training step spends in its collective-order check, order_check
   "strict" (a store round trip per event) and "per_step" (the default), against the
   step's time, on 2 and 4 ranks (order_check.measure);
@@ -125,16 +126,17 @@ def training_step_rows() -> list[str]:
     for nproc in (2, 4):
         steps = {}
         for line in bench_step.measure(nproc):
-            _, world, setup, step, blocked, ratio, _ = (cell.strip() for cell in line.split("|"))
+            _, world, setup, step, blocked, _, _, ratio, _ = (cell.strip() for cell in line.split("|"))
             steps[setup] = float(step)
             if setup != "FSDP2 + AdamW":
-                rows.append(row(f"training step, {setup}, {world} ranks (small GPT, 4 micro-batches)",
+                rows.append(row(f"training step, {setup}, {bench_step.where(setup, nproc)} (small GPT, 4 micro-batches)",
                                 f"{step} ms" + (f", blocked {blocked}" if blocked != "-" else ""),
                                 "FSDP2 + AdamW", float(ratio)))
-        # the DDP layout's own peer: the backend must beat replicated Muon on the same layout
-        ours, peer = steps["dmuon DDP backend"], steps["DDP + replicated Muon"]
-        rows.append(row(f"training step, dmuon DDP backend, {nproc} ranks (small GPT, 4 micro-batches)",
-                        f"{ours:.0f} ms", f"DDP + replicated Muon {peer:.0f} ms", ours / peer))
+        # each dmuon layout against its own layout's peers: the ratios it must win
+        for ours, peers in bench_step.PEERS.items():
+            for peer in peers if ours in steps else ():
+                rows.append(row(f"training step, {ours}, {bench_step.where(ours, nproc)} (small GPT, 4 micro-batches)",
+                                f"{steps[ours]:.0f} ms", f"{peer} {steps[peer]:.0f} ms", steps[ours] / steps[peer]))
     return rows
 
 
