@@ -17,9 +17,11 @@ module's checkers live in a submodule (``m01_accumulation``, ...).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,8 @@ __all__ = [
     "check_script",
     "run_script_check",
     "load_script_results",
+    "SCRIPT_RESULTS_ENV",
+    "recorded_script_results",
     "ExerciseNotDone",
     "EXERCISES",
     "RESULT_LINE",
@@ -78,11 +82,66 @@ def run_check(exercise: str, candidate: Callable) -> CheckResult:
     return CheckResult(exercise, status, message)
 
 
+# When set, a folder: every check_script run also keeps the script's results there (see _record_results).
+SCRIPT_RESULTS_ENV = "DMUON_EDU_SCRIPT_RESULTS"
+
+
 def check_script(path: str | os.PathLike, nproc: int = 2, args: tuple | list = ()) -> None:
     """Run a torchrun exercise script (its ranks' output shown as it arrives) and print its verdict."""
-    result, printed_by_script = _script_verdict(Path(path), nproc, args, echo=True)
+    path, folder = Path(path), os.environ.get(SCRIPT_RESULTS_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        # report() writes the results where the script's first argument says, or nowhere without one:
+        # give it a path of our own then; the script runs the same, its output is the same.
+        ours = None if args else Path(folder) / f"{path.stem}-w{nproc}.report.json"
+        args = list(args) or [ours]
+        started, source = time.time(), path.read_bytes()
+    result, printed_by_script = _script_verdict(path, nproc, args, echo=True)
+    if folder:
+        _record_results(Path(folder), path, nproc, source, Path(args[0]), started)
+        if ours is not None:
+            ours.unlink(missing_ok=True)
     if not printed_by_script:
         print(result)
+
+
+def _script_record_path(folder: Path, path: Path, nproc: int) -> Path:
+    return folder / f"{path.stem}-w{nproc}.json"
+
+
+def _record_results(folder: Path, path: Path, nproc: int, source: bytes, written: Path, started: float) -> None:
+    """Keep what a check cell's run of an exercise script reported, for the tests that assert on the same run.
+
+    `make test` executes the solution notebooks (nbval) with SCRIPT_RESULTS_ENV naming a fresh folder;
+    tests/test_data_parallel.py and tests/test_module6.py then read these records instead of launching
+    every script again (recorded_script_results). A record names the script and the hash of the source
+    that ran, so that a test reads only the run of the solution script it asserts on.
+    """
+    if not written.exists() or written.stat().st_mtime < started:  # no report from this run (it failed)
+        return
+    record = {"script": str(path.resolve()), "sha256": hashlib.sha256(source).hexdigest(), "nproc": nproc,
+              "results": json.loads(written.read_text())}
+    final = _script_record_path(folder, path, nproc)
+    partial = final.with_suffix(".partial")
+    partial.write_text(json.dumps(record))
+    partial.replace(final)  # whole or absent, to a test reading it meanwhile
+
+
+def recorded_script_results(path: str | os.PathLike, nproc: int) -> dict | None:
+    """The results a notebook's check_script run of the script at ``path`` on ``nproc`` ranks reported,
+    when SCRIPT_RESULTS_ENV names a folder holding them and that script's source is unchanged since; else None."""
+    folder = os.environ.get(SCRIPT_RESULTS_ENV)
+    if not folder:
+        return None
+    path = Path(path)
+    record_path = _script_record_path(Path(folder), path, nproc)
+    if not record_path.exists():
+        return None
+    record = json.loads(record_path.read_text())
+    if (record["script"], record["sha256"], record["nproc"]) != (
+            str(path.resolve()), hashlib.sha256(path.read_bytes()).hexdigest(), nproc):
+        return None
+    return record["results"]
 
 
 def run_script_check(path: str | os.PathLike, nproc: int = 2, args: tuple | list = (), echo: bool = False) -> CheckResult:
