@@ -1,9 +1,10 @@
 """dmuon: distributed Muon with dedicated owners, no_sync and Z2/Z3.
 
-Three torchrun launches in all (each costs seconds before any work): the checks script
-on 2 and on 4 ranks, and the accumulation guide's loop on 2 ranks. Each launch runs many checks and
-rank 0 writes one JSON record per check into a file (tests/dist/check_channel.py); the tests below
-assert on them.
+Few torchrun launches (each costs seconds before any work): the checks script on 2 ranks, and on
+4 ranks as two torchrun agents of 2 ranks that meet at a c10d rendezvous, as on two machines; the
+accumulation guide's loop and the public tp-dp snippet, each run unchanged. Each checks launch runs many
+checks and rank 0 writes one JSON record per check into a file (tests/dist/check_channel.py); the tests
+below assert on them.
 Everything else runs in this process, with a one-rank gloo group where it needs one.
 
 Tolerance of the equivalence checks: dmuon on W ranks against one process training on
@@ -57,23 +58,66 @@ CONFIGS = ["z3_no_sync", "z3_sync_every_micro_batch", "z2_no_sync", "z2_sync_eve
 GPUS = torch.cuda.device_count()
 # One rank per GPU, NCCL. On one GPU that is one rank: every collective still runs through NCCL,
 # asynchronously on its own stream, and the results meet the same single-process CPU reference.
-ON_GPUS = pytest.param(max(1, min(GPUS, 4)), id="gpus_nccl", marks=[
+ON_GPUS = pytest.param((max(1, min(GPUS, 4)), 1), id="gpus_nccl", marks=[
     pytest.mark.cuda, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (NCCL, one rank per GPU)")])
 
 
-@pytest.fixture(scope="module", params=[pytest.param(2, id="2ranks"), pytest.param(4, id="4ranks"), ON_GPUS])
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_agents(script, nproc, nnodes, args, env, timeout=300):
+    """torchrun ``script`` on ``nproc`` ranks per agent. With ``nnodes`` > 1, one agent per node, each its own process
+    as on its own machine, named by AGENT (a, b, ...): they meet at a c10d rendezvous on 127.0.0.1 (the first to start
+    serves it) and take node ranks in the order they join. The launcher ends each agent after ``timeout``, whatever
+    it waits for (the rendezvous included, whose own join timeout is torchrun's 600 s)."""
+    if nnodes == 1:
+        torchrun(script, nproc=nproc, args=args, timeout=timeout, echo=False, env=env)
+        return
+    endpoint = f"127.0.0.1:{_free_port()}"
+    with concurrent.futures.ThreadPoolExecutor(nnodes) as agents:
+        launches = [agents.submit(torchrun, script, nproc=nproc, nnodes=nnodes, rdzv_endpoint=endpoint, args=args,
+                                  timeout=timeout, echo=False, env={**env, "AGENT": chr(ord("a") + node)})
+                    for node in range(nnodes)]
+        for launch in launches:
+            launch.result(timeout=timeout + 20)
+
+
+# (ranks per agent, agents): on CPU-only machines gloo ranks, 4 as two agents (the c10d rendezvous of a multi-node
+# job, tested by test_hsdp_across_two_torchrun_agents_matches_one_process); with a GPU per rank, session() picks NCCL.
+@pytest.fixture(scope="module", params=[pytest.param((2, 1), id="2ranks"), pytest.param((2, 2), id="4ranks"), ON_GPUS])
 def checks(request, tmp_path_factory):
-    nproc = request.param  # on CPU-only machines gloo ranks; with a GPU per rank, session() picks NCCL
+    per_agent, agents = request.param
+    nproc = per_agent * agents
     try:
         fsdp_exclusion.check_compatible()
     except RuntimeError as error:  # another torch (e.g. a GPU machine's own build): say why, do not crash
         pytest.skip(str(error))
     marks = tmp_path_factory.mktemp(f"atexit{nproc}")
     records = tmp_path_factory.mktemp(f"checks{nproc}") / "checks.jsonl"
-    torchrun(DIST / "dmuon_checks.py", nproc=nproc, args=[tmp_path_factory.mktemp(f"ckpt{nproc}"), marks],
-             timeout=300, echo=False, env={check_channel.ENV: str(records)})
-    return {"atexit_marks": sorted(path.name for path in marks.iterdir()), "nproc": nproc,
-            **check_channel.read(records)}
+    launch_agents(DIST / "dmuon_checks.py", per_agent, agents, args=[tmp_path_factory.mktemp(f"ckpt{nproc}"), marks],
+                  env={check_channel.ENV: str(records)})
+    checks = check_channel.read(records)
+    _show_costliest(request.config, f"dmuon_checks.py on {nproc} ranks", checks)
+    return {"atexit_marks": sorted(path.name for path in marks.iterdir()), "nproc": nproc, **checks}
+
+
+def _show_costliest(config, launch, records, n=10):
+    """Print the ``n`` records that took the most seconds on rank 0 (each record's ``seconds``: the work since the
+    previous one), so that the time inside a launch can be sized. Shown on the terminal past pytest's capture; not
+    shown in an xdist worker, which has no terminal."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    costs = sorted(((r["seconds"], name) for name, r in records.items()), reverse=True)
+    if terminal is None or capture is None or not costs:
+        return
+    with capture.global_and_fixture_disabled():
+        terminal.write_line("")
+        terminal.write_line(f"{launch}: {sum(s for s, _ in costs):.1f} s of checks on rank 0, the {n} costliest:")
+        for seconds, name in costs[:n]:
+            terminal.write_line(f"  {seconds:6.2f} s  {name}")
 
 
 def test_a_users_atexit_handler_runs_on_every_rank_after_a_session(checks):
@@ -397,27 +441,13 @@ def test_the_ddp_backend_computes_in_compute_dtype_and_plans_what_it_sends(check
         assert plan == counted, c
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_hsdp_across_two_torchrun_agents_matches_one_process(tmp_path):
-    # Two torchrun agents, each its own process as on two machines, meet at a c10d rendezvous on 127.0.0.1
-    # (the first to start serves it) and take node ranks 0 and 1 in the order they join, which the test does not
-    # assume. The launcher ends each agent after 180 s, whatever it waits for (the rendezvous included, whose
-    # own join timeout is torchrun's 600 s); the collectives have the session's timeout.
-    records = tmp_path / "checks.jsonl"
-    endpoint = f"127.0.0.1:{_free_port()}"
-    with concurrent.futures.ThreadPoolExecutor(2) as agents:
-        launches = [agents.submit(torchrun, DIST / "multinode_hsdp.py", nproc=2, nnodes=2, rdzv_endpoint=endpoint,
-                                  timeout=180, echo=False, env={check_channel.ENV: str(records), "AGENT": agent})
-                    for agent in ("a", "b")]
-        for launch in launches:
-            launch.result(timeout=200)
-    c = check_channel.read(records)
-    ranks = c["placement"]["ranks"]
+def test_hsdp_across_two_torchrun_agents_matches_one_process(checks):
+    # The 4-rank checks ran as two torchrun agents, each its own process as on two machines, which the test does
+    # not assume to take node ranks in any order. HSDP's 2 x 2 mesh there: its rows must be the nodes.
+    c = two_by_two(checks, "placement")
+    ranks = c["ranks"]
+    if any(r["agent"] is None for r in ranks):
+        pytest.skip("the 4 CPU ranks run as two agents; this launch had one")
     # one agent per node rank, whichever; each holds global ranks node rank * 2 + local rank
     assert sorted((r["agent"], r["node_rank"]) for r in ranks if r["local_rank"] == 0) in (
         [("a", 0), ("b", 1)], [("a", 1), ("b", 0)]), ranks
@@ -427,9 +457,9 @@ def test_hsdp_across_two_torchrun_agents_matches_one_process(tmp_path):
         assert {node_of[q] for q in r["shard_group"]} == {r["node_rank"]}, ranks
         assert sorted(node_of[q] for q in r["replicate_group"]) == [0, 1], ranks
     # The same tolerance as HSDP on one node: the sums over ranks are reordered the same way.
-    e = c["equivalence_z3_no_sync_hsdp"]
+    e = checks["equivalence_z3_no_sync_hsdp"]
     assert e["max_abs_diff"] < TOLERANCE and e["largest_change"] > 1000 * TOLERANCE, e
-    assert c["storage_z3_no_sync_hsdp"]["ok_every_step_every_rank"]
+    assert checks["storage_z3_no_sync_hsdp"]["ok_every_step_every_rank"]
 
 
 def test_the_accumulation_guide_loop_trains():

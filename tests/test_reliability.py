@@ -218,8 +218,9 @@ def test_fault_rank_raises_mid_step(tmp_path):
 @pytest.mark.parametrize("fault", ["silent", "silent_in_reduce", "silent_ddp"])
 def test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout(tmp_path, fault):
     error, seconds = _inject(fault, tmp_path)
-    # The script's 5 s collective timeout ended it, not the launcher's 120 s (a hang guard with room for load).
-    assert 4 < seconds < 60
+    # The script's collective timeout ended it, not the launcher's 120 s (a hang guard with room for load), and not
+    # earlier: rank 0 may already wait in the collective when rank 1 stamps the fault, hence a fifth less.
+    assert 0.8 * _load_script("reliability_faults").TIMEOUT_S < seconds < 60
     message = str(error)
     assert "\n" not in message
     # In a broadcast gloo says "Timed out waiting 5000ms"; in a reduce often "Application timeout caused pair

@@ -2,6 +2,14 @@
 
     CHECKS_FILE=checks.jsonl torchrun --nproc-per-node=2 tests/dist/dmuon_checks.py CHECKPOINT_DIR MARKS_DIR
 
+The 4 ranks are two torchrun agents of 2 ranks each, as on two machines, that meet at a c10d rendezvous:
+
+    AGENT=a CHECKS_FILE=checks.jsonl torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \
+        --rdzv-endpoint=127.0.0.1:PORT tests/dist/dmuon_checks.py CHECKPOINT_DIR MARKS_DIR   (and the same with AGENT=b)
+
+Ranks are numbered node rank * 2 + local rank, so the rows of the (replicate, shard) mesh of HSDP are the
+nodes; check_placement reports where each rank is. Every other check is the same as on one agent.
+
 Rank 0 writes one JSON record per check, with the measured quantities, into the file
 CHECKS_FILE names (check_channel.py); the test file holds the tolerances and asserts. Every rank builds the same global data
 from a seed and takes its own slice, so rank 0 can train the single-process reference
@@ -14,7 +22,9 @@ import contextlib
 import copy
 import datetime
 import io
+import os
 import sys
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -130,9 +140,16 @@ def pooled_matrices(name, p):
     return name.startswith("pool.") and p.ndim == 2  # in_proj_weight, out_proj.weight
 
 
+# When this rank last reported: each record carries the seconds since then, the work that produced it (a check
+# that reports several records is costed on its first). tests/test_dmuon.py prints the costliest checks.
+LAST_REPORT = [time.perf_counter()]
+
+
 def report(name, **measured):
+    now = time.perf_counter()
+    seconds, LAST_REPORT[0] = now - LAST_REPORT[0], now
     if dist.get_rank() == 0:
-        check_channel.report({"name": name, "nproc": dist.get_world_size(), **measured})
+        check_channel.report({"name": name, "nproc": dist.get_world_size(), "seconds": round(seconds, 2), **measured})
 
 
 def window(step, rank, world):
@@ -157,6 +174,18 @@ def hsdp_mesh(device_type):
         HSDP_MESH.append(init_device_mesh(device_type, (2, dist.get_world_size() // 2),
                                           mesh_dim_names=("replicate", "shard")))
     return HSDP_MESH[0]
+
+
+def check_placement():
+    """Where each rank is: its agent (AGENT, set by the test for each of two agents; None with one), node rank
+    and local rank, and its groups on the 2 x 2 HSDP mesh: one shard group per node, the replicate groups
+    across the nodes, when the ranks are numbered node by node."""
+    mesh = hsdp_mesh(DEVICE[0].type)
+    where = {"rank": dist.get_rank(), "agent": os.environ.get("AGENT"), "node_rank": int(os.environ["GROUP_RANK"]),
+             "local_rank": int(os.environ["LOCAL_RANK"]),
+             "shard_group": dist.get_process_group_ranks(mesh["shard"].get_group()),
+             "replicate_group": dist.get_process_group_ranks(mesh["replicate"].get_group())}
+    report("placement", ranks=per_rank(where))
 
 
 TP_MESH = []  # built once: (dp, tp) = (world / 2, 2)
@@ -637,7 +666,7 @@ def check_misuse(mesh):
     stage.embed, stage.head = (stage.embed, None) if rank == 0 else (None, stage.head)
     outcome["pipeline_stages"] = error_of(lambda: dmuon.dedicate_params(stage, mesh, predicate))
     # One rank never calls dedicate_params: the others give up at the group's timeout, with a message.
-    short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+    short = short_timeout_mesh()
     if rank == 0:
         torch.manual_seed(0)
         outcome["a_rank_never_calls"] = error_of(lambda: dmuon.dedicate_params(Net(), short, predicate))
@@ -742,10 +771,21 @@ def check_divergence():
     report("divergence", **per_rank_outcomes(outcome))
 
 
+# The timeout of short_timeout_mesh's groups. Each check on one waits it out once, on purpose (5 times in the 2-rank
+# launch), so it is short. Before that wait its honest collectives wait only for the other rank's share of the same
+# work, a few milliseconds on this model: the ranks leave the previous collective together (a new group connects
+# right after one), and they are warm (these checks come after the launch's first ones, so no rank does first-time
+# work, imports or lazy inits, that the other waits for, unlike a fresh launch's first step: reliability_faults.py).
+# A rank descheduled on a loaded 2-core machine is back within tens of milliseconds: 1 s is a margin of tens.
+# Checked: these checks 10 times over at 1 s, in two launches, with the load average at 6 to 8.
+SHORT_TIMEOUT_S = 1
+
+
 def short_timeout_mesh():
-    """A mesh over a group of its own with a 3 s timeout, for a check where one rank waits for another that
-    never comes: the group is broken afterwards, and the job goes on on the default group."""
-    return DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+    """A mesh over a group of its own with a SHORT_TIMEOUT_S timeout, for a check where one rank waits for another
+    that never comes: the group is broken afterwards, and the job goes on on the default group."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
+    return DeviceMesh.from_group(group, "cpu")
 
 
 def uneven_windows(rank):
@@ -1215,7 +1255,7 @@ def check_order_modes(mesh):
     rank, naming both layers; a wait that times out names the first differing event from the ranks' logs;
     "off" makes none at all."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    short = DeviceMesh.from_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3)), "cpu")
+    short = short_timeout_mesh()
     outcome, trips = {}, {}
     model, opt = build(short, zero3=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -1615,6 +1655,7 @@ def main():
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         DEVICE[0] = ranks.device
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference runs in true float32 on the CPU
+        LAST_REPORT[0] = time.perf_counter()  # the first check's seconds leave out the start-up
         # What real training does, tested once: on 2 CPU ranks (its timeout checks need gloo, which
         # raises at a timeout where NCCL's watchdog ends the process).
         real_use = ranks.world_size == 2 and ranks.device.type == "cpu"
@@ -1633,6 +1674,7 @@ def main():
                 check_mixed_precision(mesh, zero3)
         check_state_dict(mesh, directory)
         if ranks.world_size == 4:  # HSDP as 2 x 2, tensor parallelism as (dp, tp) = (2, 2)
+            check_placement()
             for zero3 in (True, False):
                 check_equivalence(mesh, zero3, use_no_sync=True, hsdp=True)
                 check_equivalence(mesh, zero3, use_no_sync=True, tp=True)

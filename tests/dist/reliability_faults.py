@@ -28,6 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from dmuon_edu import distributed
 from reliability_resume import MICRO, build, train_step
 
+# session()'s collective timeout, waited out once by each silent fault (tests/test_reliability.py asserts that it
+# ended the job). Its honest waits come before any rank is warm: init_process_group's connection (each rank waits for
+# the other to finish importing torch: up to 0.9 s apart with the load average at 5 on 2 cores) and step 0's first
+# collectives (after each rank's first-time work, FSDP2's lazy init among it). 3 s was tried: one launch in four failed
+# before its fault (rank 1 never got to it) with the load average at 7, so 5 s stays.
 TIMEOUT_S = 5
 FAULT_STEP = 1
 
