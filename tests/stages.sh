@@ -44,7 +44,8 @@ for notebook in solutions/*.ipynb; do
     case $notebook in solutions/0[5-7]*) LAUNCHING_NOTEBOOKS+=("$notebook") ;; *) IN_PROCESS_NOTEBOOKS+=("$notebook") ;; esac
 done
 PYTEST=(-m pytest -q -p no:cacheprovider --durations=10)
-NBVAL=(--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg)
+# tests/nbval_record.py keeps each executed notebook's raw outputs where DMUON_EDU_NBVAL_OUTPUTS names (below).
+NBVAL=(--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_record)
 # Two workers, one per core, for work that is single-threaded Python (most tests, Jupyter kernels).
 # loadfile: each test file and each notebook on one worker, in order; tests/conftest.py's scheduler spreads
 # the tests of the few costly files it names one by one over both workers.
@@ -55,6 +56,11 @@ TWO_WORKERS=(-n 2 --dist loadfile)
 # from an earlier run. Name subfolders of it in exported variables, before the stage that writes them.
 RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/dmuon_edu-test.XXXXXX")
 trap 'rm -rf "$RUN_DIR"' EXIT
+# One execution serves two checks: the notebooks' exercise-script reports (dmuon_edu.course.checks.check_script),
+# which the module 5 and 6 torchrun tests read instead of launching the scripts again, and nbval's raw outputs
+# of each notebook, which the determinism test (marked after_nbval) reads instead of executing notebook 1 again.
+# Without a record of this run, those tests launch or execute for themselves.
+export DMUON_EDU_SCRIPT_RESULTS=$RUN_DIR/scripts DMUON_EDU_NBVAL_OUTPUTS=$RUN_DIR/nbval
 
 # chromium's apt-get and pip's install wait on disk and network, not on each other: run them side by side.
 install() {
@@ -80,17 +86,18 @@ stage "install, and chromium for the browser test" 150 install
 # Unit tests and notebooks 1 to 4 in one pytest session: one start-up, and no worker idles while the
 # other finishes a second session's tail. Neither hang guards (serial) nor launches (torchrun) run here.
 stage "in-process: unit tests, notebooks 1-4 (2 workers)" 220 \
-    $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun and not serial" tests "${IN_PROCESS_NOTEBOOKS[@]}"
+    $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun and not serial and not after_nbval" \
+    tests "${IN_PROCESS_NOTEBOOKS[@]}"
 
 # The notebooks of modules 5 and 6 launch their scripts with torchrun: one at a time, before the torchrun
-# tests (which may read what they leave in RUN_DIR). Variables naming RUN_DIR's subfolders go here, exported.
+# tests, which read the scripts' reports they leave in RUN_DIR.
 stage "launching notebooks 5-6 (nbval, one at a time)" 80 \
     $PY "${PYTEST[@]}" "${NBVAL[@]}" "${LAUNCHING_NOTEBOOKS[@]}"
 
 # Launches, and the hang guards (marked serial) in the same process: no xdist worker beside either, and
-# one collection of the test files instead of two.
+# one collection of the test files instead of two; with them the tests that read the notebooks' records.
 stage "torchrun tests and hang guards (serial)" 200 \
-    $PY "${PYTEST[@]}" -m "torchrun or serial" tests
+    $PY "${PYTEST[@]}" -m "torchrun or serial or after_nbval" tests
 
 emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then the tests, then the notebooks
     local rc=0

@@ -491,6 +491,7 @@ def _text_outputs(notebook):
     return texts
 
 
+@pytest.mark.after_nbval
 def test_a_solution_notebook_executed_again_reproduces_its_stored_text_outputs():
     """Executed twice, identical text: the stored outputs are the first execution (`make solutions`), this is
     the second, compared exactly (no sanitising, NBVAL_IGNORE_OUTPUT cells included). Module 1 is the cheap
