@@ -54,7 +54,8 @@ class WholeMatrixMuon:
         self.params = list(params)
         self.layouts = [_layout(p) for p in self.params]
         # Full-shape proxies, zero before each step, so that Muon leaves the update in them (as dmuon's tp.py does).
-        self.proxies = [torch.zeros(shape, dtype=p.dtype) for p, (_, _, shape, _) in zip(self.params, self.layouts)]
+        self.proxies = [torch.zeros(shape, dtype=p.dtype, device=(p.to_local() if isinstance(p, DTensor) else p).device)
+                        for p, (_, _, shape, _) in zip(self.params, self.layouts)]
         self.muon = muon.Muon(self.proxies, **hyper)
 
     def gather_gradients(self) -> None:

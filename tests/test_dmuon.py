@@ -22,6 +22,7 @@ off: cuBLAS and the CPU's BLAS sum float32 products in other orders, which is th
 """
 
 import concurrent.futures
+import io
 import json
 import math
 import os
@@ -1054,3 +1055,26 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
     assert api["groups"] == ["no_decay/muon", "no_decay/adamw", "rest/muon", "rest/adamw"], api
     assert api["units"] == ["layers.0", "layers.1"], api
     assert api["round_trips_with_order_check_off"] == [0, 0], api  # order_check="off" reaches the TP group's too
+
+
+def test_a_publishing_matrix_keeps_its_own_class_and_a_read_whose_result_cannot_come_is_refused():
+    # In one process, without a broadcast: publishing() marks a matrix whose step result is on its way; its
+    # first read calls land(), which (as the state's wait_published does) lands it with landed().
+    from dmuon_edu.dmuon import placeholder
+
+    class UsersParameter(nn.Parameter):  # a user's Parameter subclass keeps its class across the publish
+        pass
+
+    p = UsersParameter(torch.ones(2, 2))
+    lands = []
+    land = lambda: (lands.append(1), placeholder.landed(p))  # noqa: E731
+    placeholder.publishing(p, land)
+    placeholder.publishing(p, land)  # a second publish before any read
+    assert torch.equal(p.clone(), torch.ones(2, 2)) and lands == [1] and type(p) is UsersParameter
+    # A mark that no broadcast in flight will land (a step that failed part way): every read is refused by name,
+    # where the Python-level reads (torch.save, deepcopy) recursed without end.
+    q = nn.Parameter(torch.ones(3))
+    placeholder.publishing(q, lambda: None)
+    for read in (q.clone, lambda: torch.save(q, io.BytesIO())):
+        with pytest.raises(RuntimeError, match="still waiting for its step result"):
+            read()

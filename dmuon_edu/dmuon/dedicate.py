@@ -450,8 +450,10 @@ def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me
         event = order.check(description)
         work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
         started.append(InFlight(event, description, source, params, flat, work))
-        if source != me:
-            for p in params:
+    # Marked once every broadcast has started, so that each marked matrix is one that land() brings
+    for sent in started:
+        if sent.owner != me:
+            for p in sent.params:
                 placeholder.publishing(p, land)
     return started
 

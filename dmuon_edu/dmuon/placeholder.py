@@ -167,17 +167,27 @@ class _Publishing:
         if name not in _PASS_THROUGH and name not in _SHAPE_ANSWERS:  # metadata and zero_grad() do not wait
             for a in _tensors_in((*args, *kwargs.values())):
                 if isinstance(a, _Publishing):
-                    a._dmuon_land()
+                    a._land()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    # Python-level reads that reach the values without a torch function first:
-    def __reduce_ex__(self, proto):  # torch.save(p) pickles __dict__ before it reads .data
+    def _land(self) -> None:
+        """Wait for the step result; after it this parameter is of its own class again (see :func:`landed`)."""
         self._dmuon_land()
+        if isinstance(self, _Publishing):  # the publish that was to bring it never started: no value to serve
+            raise RuntimeError(
+                f"a dedicated matrix of shape {tuple(self.shape)} is still waiting for its step result, which no "
+                "broadcast in flight carries: the step that was to publish it failed part way. Its values here are "
+                "the previous step's; restart from the last checkpoint (dmuon.set_model_state_dict)")
+
+    # Python-level reads that reach the values without a torch function first (after _land, the class is the
+    # parameter's own, whose method runs):
+    def __reduce_ex__(self, proto):  # torch.save(p) pickles __dict__ before it reads .data
+        self._land()
         return self.__reduce_ex__(proto)
 
     def __deepcopy__(self, memo):  # nn.Parameter's would build type(self) before reading .data
-        self._dmuon_land()
+        self._land()
         return self.__deepcopy__(memo)
 
 
@@ -189,27 +199,29 @@ class PublishingDTensor(_Publishing, DTensor):
     """A TP shard this rank holds whose step result is on its way: DTensor's Python-level reads land it too."""
 
     def to_local(self, *args, **kwargs):
-        self._dmuon_land()
+        self._land()
         return self.to_local(*args, **kwargs)
 
     def full_tensor(self, *args, **kwargs):
-        self._dmuon_land()
+        self._land()
         return self.full_tensor(*args, **kwargs)
 
     def redistribute(self, *args, **kwargs):
-        self._dmuon_land()
+        self._land()
         return self.redistribute(*args, **kwargs)
 
 
 def publishing(p: nn.Parameter, land) -> None:
     """Mark ``p`` as awaiting its step result: its next read calls ``land()`` first, which must call
     :func:`landed` on it."""
+    if not isinstance(p, _Publishing):  # already marked: a second publish before any read keeps its own class
+        p._dmuon_class = type(p)  # a user's Parameter subclass stays one
     p._dmuon_land = land
     p.__class__ = PublishingDTensor if isinstance(p, DTensor) else PublishingParameter
 
 
 def landed(p: nn.Parameter) -> None:
-    """``p`` holds its step result: a plain parameter again."""
+    """``p`` holds its step result: of its own class again."""
     if isinstance(p, _Publishing):
-        p.__class__ = DTensor if isinstance(p, DTensor) else nn.Parameter
-        del p._dmuon_land
+        p.__class__ = p._dmuon_class
+        del p._dmuon_land, p._dmuon_class

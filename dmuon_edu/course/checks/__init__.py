@@ -97,7 +97,7 @@ def check_script(path: str | os.PathLike, nproc: int = 2, args: tuple | list = (
         args = list(args) or [ours]
         started, source = time.time(), path.read_bytes()
     result, printed_by_script = _script_verdict(path, nproc, args, echo=True)
-    if folder:
+    if folder and result.status == "PASS":  # a failed run is never read in place of the tests' own launch
         _record_results(Path(folder), path, nproc, source, Path(args[0]), started)
         if ours is not None:
             ours.unlink(missing_ok=True)
