@@ -6,9 +6,9 @@ batch. ``peak_memory_bytes`` measures how far memory rises above where it
 started while ``fn`` runs.
 
 - CUDA: the caching allocator's statistics (``torch.cuda.max_memory_allocated``).
-- CPU: there are no allocator statistics, so the profiler records every
-  allocation and free (``profile_memory=True``) and the peak of the running
-  sum of the calling thread's records is taken.
+- CPU: there are no allocator statistics, so the autograd profiler records
+  every allocation and free (``profile_memory=True``) and the peak of the
+  running sum of the calling thread's records is taken.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd import profiler
 
 __all__ = ["peak_memory_bytes"]
 
@@ -54,14 +54,16 @@ def peak_memory_bytes(fn: Callable[[], object], device: str | torch.device = "cp
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
         raise ValueError(f"peak_memory_bytes measures 'cpu' or 'cuda' devices, got {device.type!r}")
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # torch.autograd.profiler, not torch.profiler: the latter's start imports torch._inductor (seconds, the
+    # first time in a process) to read a CUDA-graphs setting that a CPU measurement does not use.
+    prof = profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
     with _native_stderr_silenced():
-        prof.start()
+        prof.__enter__()
     try:
         fn()
     finally:
         with _native_stderr_silenced():
-            prof.stop()
+            prof.__exit__(None, None, None)
     return _peak_of_running_sum(_cpu_allocation_deltas(prof))
 
 
@@ -82,7 +84,7 @@ def _native_stderr_silenced():
         os.close(devnull)
 
 
-def _cpu_allocation_deltas(prof: profile) -> list[int]:
+def _cpu_allocation_deltas(prof: profiler.profile) -> list[int]:
     # The exported trace is the profiler's public view of its memory records:
     # one "[memory]" event per allocation (+bytes) or free (-bytes), in order.
     fd, path = tempfile.mkstemp(suffix=".json")
