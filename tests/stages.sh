@@ -50,6 +50,9 @@ NBVAL=(--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cf
 # loadfile: each test file and each notebook on one worker, in order; tests/conftest.py's scheduler spreads
 # the tests of the few costly files it names one by one over both workers.
 TWO_WORKERS=(-n 2 --dist loadfile)
+# One thread per worker (and per kernel a worker starts): with torch's default of one per core, two workers ran
+# four on two cores, whose waits spin against each other (the numerics tests: 61 s instead of 155 s under load).
+ONE_THREAD_EACH=(env OMP_NUM_THREADS=1)
 
 # A fresh folder for this run, removed at the end: what one process of the run leaves for a later one
 # (e.g. the launching notebooks' script results, read again by the torchrun tests) is never a stale copy
@@ -86,7 +89,7 @@ stage "install, and chromium for the browser test" 150 install
 # Unit tests and notebooks 1 to 4 in one pytest session: one start-up, and no worker idles while the
 # other finishes a second session's tail. Neither hang guards (serial) nor launches (torchrun) run here.
 stage "in-process: unit tests, notebooks 1-4 (2 workers)" 220 \
-    $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun and not serial and not after_nbval" \
+    "${ONE_THREAD_EACH[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun and not serial and not after_nbval" \
     tests "${IN_PROCESS_NOTEBOOKS[@]}"
 
 # The notebooks of modules 5 and 6 launch their scripts with torchrun: one at a time, before the torchrun
@@ -103,7 +106,7 @@ emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then 
     local rc=0
     # The variables are set on each process at its start; xdist's workers and the kernels inherit them.
     "${EMULATED_AVX2[@]}" $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import machine; print(machine.describe())' || rc=1
-    "${EMULATED_AVX2[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun" \
+    "${EMULATED_AVX2[@]}" "${ONE_THREAD_EACH[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun" \
         "${EMULATED_TESTS[@]}" "${EMULATED_IN_PROCESS_NOTEBOOKS[@]}" || rc=1
     "${EMULATED_AVX2[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${EMULATED_LAUNCHING_NOTEBOOKS[@]}" || rc=1
     return $rc
