@@ -26,6 +26,7 @@ from pathlib import Path
 from torch.distributed.device_mesh import init_device_mesh
 
 from dmuon_edu import distributed
+from dmuon_edu.dmuon import order
 from reliability_resume import MICRO, build, train_step
 
 # session()'s collective timeout, waited out once by each silent fault (tests/test_reliability.py asserts that it
@@ -35,6 +36,11 @@ from reliability_resume import MICRO, build, train_step
 # before its fault (rank 1 never got to it) with the load average at 7, so 5 s stays.
 TIMEOUT_S = 5
 FAULT_STEP = 1
+# A rank whose wait in one of dmuon's own collectives times out (silent_ddp: rank 0 in the backward's all-reduce) then
+# waits up to order.LOG_WAIT_S (15 s) for the other ranks' logs of their recent collectives, to name where they
+# diverged. A rank that stopped answering never sends its log, so that wait only adds to the job's time: the same path
+# runs with a short one.
+order.LOG_WAIT_S = 1
 
 
 def main():
