@@ -17,10 +17,10 @@ into freshly built models (another seed) and continue:
 Faults injected (tests/dist/reliability_faults.py, 2 ranks, in dmuon training):
 
 - rank_raises_mid_step: rank 1 raises inside a layer's forward in step 2 while rank 0
-  waits in the broadcast; the job ends within 30 s of the fault (4.6 s measured under
-  load), non-zero, and RankFailedError (one line) names rank 1 and its exception; no
+  waits in that layer's collectives; the job ends within 60 s of the fault (4.6 s measured
+  under load), non-zero, and RankFailedError (one line) names rank 1 and its exception; no
   process is left.
-- rank_stops_answering: rank 1 sleeps instead of joining the broadcast, and (silent_in_reduce)
+- rank_stops_answering: rank 1 sleeps instead of joining a layer's collectives, and (silent_in_reduce)
   in the backward that reduces; rank 0's collective times out after session(timeout_s=5) and
   RankFailedError says "a collective timed out" and names rank 1 as the silent one; no process
   is left.
@@ -222,8 +222,8 @@ def test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout(tmp_pat
     assert 0.8 * _load_script("reliability_faults").TIMEOUT_S < seconds < 60
     message = str(error)
     assert "\n" not in message
-    # In a broadcast gloo says "Timed out waiting 5000ms"; in a reduce often "Application timeout caused pair
-    # closure", from another wait of rank 0's: either way the waiting rank's error names rank 1 as the silent one.
+    # In the forward's collectives gloo says "Timed out waiting 5000ms"; in a reduce often "Application timeout caused
+    # pair closure", from another wait of rank 0's: either way the waiting rank's error names rank 1 as the silent one.
     assert error.rank == 0 and message.startswith("rank 0 failed: a collective timed out ("), message
     assert "rank 1 raised nothing" in message and "session(timeout_s=...)" in message, message
     assert processes_running("reliability_faults.py") == []
