@@ -36,15 +36,15 @@ from reliability_resume import MICRO, build, train_step
 # before its fault (rank 1 never got to it) with the load average at 7, so 5 s stays.
 TIMEOUT_S = 5
 FAULT_STEP = 1
-# A rank whose wait in one of dmuon's own collectives times out (silent_ddp: rank 0 in the backward's all-reduce) then
-# waits up to order.LOG_WAIT_S (15 s) for the other ranks' logs of their recent collectives, to name where they
-# diverged. A rank that stopped answering never sends its log, so that wait only adds to the job's time: the same path
-# runs with a short one.
-order.LOG_WAIT_S = 1
 
 
 def main():
     fault, stamp = sys.argv[1], Path(sys.argv[2])
+    # A rank whose wait in one of dmuon's own collectives times out (silent_ddp: rank 0 in the backward's all-reduce)
+    # then waits up to order.LOG_WAIT_S (15 s) for the other ranks' logs of their recent collectives, to name where
+    # they diverged. A rank that stopped answering never sends its log, so that wait only adds to the job's time: the
+    # same path runs with a short one. (Set here, not on import: the test imports this module for TIMEOUT_S.)
+    order.LOG_WAIT_S = 1
     with distributed.session(timeout_s=TIMEOUT_S) as ranks:
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         model, opt, sched = build(mesh, ddp=fault == "silent_ddp")
