@@ -17,19 +17,19 @@ into freshly built models (another seed) and continue:
 Faults injected (tests/dist/reliability_faults.py, 2 ranks, in dmuon training):
 
 - rank_raises_mid_step: rank 1 raises inside a layer's forward in step 2 while rank 0
-  waits in the broadcast; the job ends within 30 s of the fault (4.6 s measured under
-  load), non-zero, and RankFailedError (one line) names rank 1 and its exception; no
+  waits in that layer's collectives; the job ends within 60 s of the fault (4.6 s measured
+  under load), non-zero, and RankFailedError (one line) names rank 1 and its exception; no
   process is left.
-- rank_stops_answering: rank 1 sleeps instead of joining the broadcast, and (silent_in_reduce)
+- rank_stops_answering: rank 1 sleeps instead of joining a layer's collectives, and (silent_in_reduce)
   in the backward that reduces; rank 0's collective times out after session(timeout_s=5) and
   RankFailedError says "a collective timed out" and names rank 1 as the silent one; no process
   is left.
 - (tests/test_data_parallel.py: a rank raising before any step, a job hanging past the
   launcher's own timeout, torchrun itself killed, Ctrl-C, a script that does not compile,
   a collective mismatch that gloo aborts: every process of the job is gone afterwards.)
-- interrupted save (no torchrun): a process killed (SIGKILL) just before the completion
-  marker, and one killed while overwriting a good checkpoint, leave directories that
-  checkpoint.load refuses and checkpoint.latest skips.
+- interrupted save (no torchrun): a process (a fork of the test's) killed (SIGKILL) just
+  before the completion marker, and one killed while overwriting a good checkpoint, leave
+  directories that checkpoint.load refuses and checkpoint.latest skips.
 
 Checkpoints all or nothing (in this process, and on 2 ranks in the resume launches): a
 byte flipped in tensor data (which torch.distributed.checkpoint alone loads without a
@@ -54,10 +54,9 @@ import importlib.util
 import io
 import os
 import re
+import select
 import signal
-import subprocess
 import sys
-import threading
 import time
 import warnings
 from contextlib import redirect_stdout
@@ -223,8 +222,8 @@ def test_fault_rank_stops_answering_is_cut_off_by_the_collective_timeout(tmp_pat
     assert 0.8 * _load_script("reliability_faults").TIMEOUT_S < seconds < 60
     message = str(error)
     assert "\n" not in message
-    # In a broadcast gloo says "Timed out waiting 5000ms"; in a reduce often "Application timeout caused pair
-    # closure", from another wait of rank 0's: either way the waiting rank's error names rank 1 as the silent one.
+    # In the forward's collectives gloo says "Timed out waiting 5000ms"; in a reduce often "Application timeout caused
+    # pair closure", from another wait of rank 0's: either way the waiting rank's error names rank 1 as the silent one.
     assert error.rank == 0 and message.startswith("rank 0 failed: a collective timed out ("), message
     assert "rank 1 raised nothing" in message and "session(timeout_s=...)" in message, message
     assert processes_running("reliability_faults.py") == []
@@ -237,23 +236,49 @@ def _small_state(seed):
     return model, {"model": get_model_state_dict(model)}
 
 
+def _save_and_stop_at(path, point, stopped):
+    """In the forked child: save another model's state to ``path`` with checkpoint.save, write to the pipe
+    ``stopped`` when the save reaches ``point``, and wait there to be killed. ``before_marker``: after
+    torch.distributed.checkpoint wrote every file (data and .metadata), just before the completion marker;
+    ``during_write``: after the first tensor of the data file."""
+    def stop_here(*args, **kwargs):
+        os.write(stopped, b"STOPPED")
+        time.sleep(600)
+
+    if point == "before_marker":
+        os.replace = stop_here
+    else:
+        write_item = dcp_filesystem._write_item
+
+        def first_item_then_stop(*args, **kwargs):
+            write_item(*args, **kwargs)
+            stop_here()
+
+        dcp_filesystem._write_item = first_item_then_stop
+    warnings.simplefilter("ignore")  # e.g. dcp's that there is no process group: the child writes nothing
+    checkpoint.save(_small_state(1)[1], path)  # other values than the good checkpoint's
+
+
 def _kill_during_save(path, point):
-    """Start a save in another process and SIGKILL it at ``point``."""
-    child = subprocess.Popen([sys.executable, str(DIST / "reliability_interrupted_save.py"), str(path), point],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    watchdog = threading.Timer(60, os.killpg, (child.pid, signal.SIGKILL))  # never wait on a stuck child
-    watchdog.start()
+    """Save in a child process and SIGKILL it at ``point``. The child is a fork of this process: torch is
+    imported already, where a fresh interpreter would take seconds to import it."""
+    stopped, stopped_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(stopped)
+            torch.set_num_threads(1)  # the parent's OpenMP threads are not in the fork (as in a DataLoader worker)
+            _save_and_stop_at(path, point, stopped_w)
+        finally:
+            os._exit(1)  # reached only if the save never got to ``point``: the parent then reads end of file
+    os.close(stopped_w)
     try:
-        lines = []
-        for line in child.stdout:  # ends when the child prints STOPPED, exits or is killed by the watchdog
-            lines.append(line)
-            if line.strip() == f"STOPPED {point}":
-                break
-        assert lines and lines[-1].strip() == f"STOPPED {point}", lines
+        ready, _, _ = select.select([stopped], [], [], 60)  # never wait on a stuck child
+        assert ready and os.read(stopped, 16) == b"STOPPED", f"the save did not get to {point}"
     finally:
-        watchdog.cancel()
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+        os.close(stopped)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_interrupted_saves_are_never_mistaken_for_good_checkpoints(tmp_path):
