@@ -1,17 +1,22 @@
-"""Every known wrong answer to the torchrun script exercises, fed to their checks in one launch.
+"""Every known wrong answer to the torchrun script exercises, fed to their checks in one launch; then the
+learner copies of the scripts, their exercises not done.
 
-    torchrun --nproc-per-node=2 tests/dist/script_mutations.py
+    torchrun --nproc-per-node=2 tests/dist/script_mutations.py [LEARNER_SCRIPT.py ...]
 
 Each solution script defines the learner's function and ``main(ranks)``, which grades it.
 For every wrong variant below this loads the script afresh, puts the variant in place of
-the learner's function, and runs ``main``. A prediction's script measures the given code in its
-``measure(ranks)``, which no prediction changes: that runs once, and its result serves every
-variant; rank 0 prints ``MUTATION {json}`` with the
-verdict (or the error the variant raised). tests/test_script_checks.py asserts that each
-wrong one FAILs with the hint that names its mistake, and each honest alternative PASSes.
+the learner's function, and runs ``main``; rank 0 prints ``MUTATION {json}`` with the
+verdict (or the error the variant raised). Then it runs each learner copy's ``main``, and rank 0
+prints ``RAISED <script stem> <exception type on each rank>``: what the grader reads to report
+"not attempted" is a NotImplementedError. A prediction's script measures the given code in its
+``measure(ranks)``, which neither a prediction nor a learner stub changes (a learner copy's measure
+is checked to be the solution's, word for word): it runs once, and its result serves every run of
+that script. tests/test_script_checks.py asserts that each wrong one FAILs with the hint that
+names its mistake, each honest alternative PASSes, and each learner copy raises NotImplementedError.
 """
 
 import contextlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -21,7 +26,7 @@ import torch.distributed as dist
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
-from dmuon_edu.course.dmuon_problem import broadcast_from_owners, guide_loop
+from dmuon_edu.course.dmuon_problem import broadcast_from_owners, guide_loop, per_rank
 from run_scripts import load
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
@@ -494,16 +499,23 @@ MUTATIONS = [
 ]
 
 
+def measured(module, script, runs, ranks):
+    """``module``, a copy of solutions/scripts/<script>.py whose measure() (if it has one) is the solution's, with
+    measure() replaced by its result: run once per script, and kept in ``runs``."""
+    if hasattr(module, "measure"):
+        if script not in runs:
+            runs[script] = module.measure(ranks)
+        module.measure = lambda ranks, run=runs[script]: run
+    return module
+
+
 def main():
+    learner_copies = [Path(arg) for arg in sys.argv[1:]]
     sys.argv = sys.argv[:1]  # the scripts write a results file when given a path: not here
-    runs = {}  # a prediction's script: what its measure() ran, which no prediction changes
+    runs = {}  # a prediction's script: what its measure() ran
     with distributed.session() as ranks:
         for script, function, variant in MUTATIONS:
-            module = load(SCRIPTS / f"{script}.py")
-            if hasattr(module, "measure"):
-                if script not in runs:
-                    runs[script] = module.measure(ranks)
-                module.measure = lambda ranks, run=runs[script]: run
+            module = measured(load(SCRIPTS / f"{script}.py"), script, runs, ranks)
             setattr(module, function, variant)
             try:
                 result = module.main(ranks)
@@ -512,6 +524,16 @@ def main():
                 outcome = {"status": "RAISED", "message": str(error)}
             distributed.barrier()
             distributed.print0("MUTATION " + json.dumps({"script": script, "variant": variant.__name__, **outcome}))
+        for path in learner_copies:
+            module = load(path)
+            if hasattr(module, "measure"):  # measure() is given code, the solution's: a stub there would not show
+                assert inspect.getsource(module.measure) == inspect.getsource(load(SCRIPTS / path.name).measure), path
+            try:
+                measured(module, path.stem, runs, ranks).main(ranks)
+                raised = "nothing"
+            except Exception as error:  # the grader's test is the type; anything else is reported as such
+                raised = type(error).__name__
+            distributed.print0(f"RAISED {path.stem} " + " ".join(per_rank(raised)))
 
 
 if __name__ == "__main__":
