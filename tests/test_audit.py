@@ -49,7 +49,7 @@ AUDIT = {
     "Ctrl-C leaves processes of the job": (CORRECT, "test_data_parallel::test_ctrl_c_stops_every_process_of_the_job"),
     "a SyntaxError is reported as sys.exit": (
         CLEAR_ERROR, "test_data_parallel::test_a_script_that_does_not_compile_or_import_is_named_with_its_error"),
-    "a learner cell redefining check passes": (CORRECT, "test_course::test_a_redefined_check_does_not_pass"),
+    "a learner cell redefining check passes": (CORRECT, "test_grading::test_a_redefined_check_does_not_pass"),
     "0 of 0 exercises passed exits 0": (CORRECT, "test_course::test_no_exercise_is_reported_and_exits_1"),
     "an endless cell holds the grader 600 s": (
         CORRECT, "test_course::test_an_endless_loop_ends_at_the_cell_timeout_as_a_row_and_leaves_nothing_behind"),

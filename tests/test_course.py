@@ -212,46 +212,7 @@ def _prints(cell):
 
 
 # --- grading, end to end through a real kernel ----------------------------------------------
-
-LEARNER_01 = "01_loss_scaled_accumulation.ipynb"
-
-NO_SCALING = """
-def train_step_with_accumulation(model, optimizer, microbatches, loss_fn):
-    optimizer.zero_grad()
-    total = 0.0
-    for inputs, targets in microbatches:
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        total += loss.item()
-    optimizer.step()
-    return total / len(microbatches)
-"""
-
-ZERO_GRAD_INSIDE = """
-def train_step_with_accumulation(model, optimizer, microbatches, loss_fn):
-    n = len(microbatches)
-    total = 0.0
-    for inputs, targets in microbatches:
-        optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets) / n
-        loss.backward()
-        total += loss.item() * n
-    optimizer.step()
-    return total / n
-"""
-
-
-def _exercise_only(learner, tmp_path, answer):
-    """The learner notebook cut to its set-up cell, exercise cell (answered) and check cell."""
-    notebook = nbformat.read(learner / LEARNER_01, as_version=4)
-    code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    exercise = next(i for i, cell in enumerate(code_cells) if "NotImplementedError" in cell.source)
-    code_cells[exercise].source = answer
-    notebook.cells = [code_cells[0], code_cells[exercise], code_cells[exercise + 1]]
-    path = tmp_path / "01_answered.ipynb"
-    nbformat.write(notebook, path)
-    return path
-
+# (Answers to module 1's exercise, graded by the check command: tests/test_grading.py.)
 
 # Modules whose exercises are torchrun scripts (05, 06) are graded through their scripts,
 # which tests launch on their own; their learner notebooks stop, by design, with a
@@ -273,27 +234,6 @@ def test_learner_notebook_runs_top_to_bottom_and_reports_not_attempted(solution,
     assert [(s.exercise, s.status) for s in statuses] == [(name, "not attempted") for name in exercises]
 
 
-def test_a_missing_one_over_n_is_named(learner, tmp_path):
-    [status] = grading.grade(_exercise_only(learner, tmp_path, NO_SCALING))
-    assert status.status == "failed" and "N times too large" in status.hint
-
-
-def test_check_command_prints_the_table_and_names_zero_grad_inside_the_loop(learner, tmp_path):
-    path = _exercise_only(learner, tmp_path, ZERO_GRAD_INSIDE)
-    result = subprocess.run([sys.executable, "-m", "dmuon_edu", "check", str(path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stderr
-    assert "train_step_with_accumulation" in result.stdout
-    assert "zero_grad() is inside the micro-batch loop" in result.stdout
-    assert "0 of 1 exercises passed" in result.stdout
-
-
-def test_the_solution_passes_its_check(learner, tmp_path):
-    solution = nbformat.read(notebooks.SOLUTIONS / LEARNER_01, as_version=4)
-    answer = next(cell.source for cell in solution.cells if notebooks.BEGIN in cell.source)
-    [status] = grading.grade(_exercise_only(learner, tmp_path, answer))
-    assert status.status == "passed", status.hint
-
-
 # --- a grader that cannot be fooled by accident, or stalled -----------------------------------
 
 CHECK_CELL = 'check("is_hidden_matrix", is_hidden_matrix)'
@@ -302,16 +242,6 @@ CHECK_CELL = 'check("is_hidden_matrix", is_hidden_matrix)'
 def _notebook(path, *sources):
     nbformat.write(new_notebook(cells=[new_code_cell(source) for source in sources]), path)
     return path
-
-
-def test_a_redefined_check_does_not_pass(tmp_path):
-    forged = _notebook(tmp_path / "07_forged.ipynb",
-                       "def is_hidden_matrix(name, p):\n    return True\n\n"
-                       "def check(exercise, candidate):\n    print(f'PASS {exercise}: looks right')",
-                       CHECK_CELL)
-    [status] = grading.grade(forged, cell_timeout=60)
-    assert (status.exercise, status.status) == ("is_hidden_matrix", "failed"), status
-    assert "Muon orthogonalises matrices only" in status.hint  # the package's checker spoke
 
 
 # One grading run over a folder of broken notebooks (a short cell timeout), read by the tests below.
