@@ -360,24 +360,42 @@ def _tail(result: LaunchResult, n: int = 20) -> str:
 
 
 def _end_job(process: subprocess.Popen, job: str) -> None:
-    """Stop every process of the job: SIGTERM, up to _TERMINATE_GRACE_S to exit, then SIGKILL."""
-    _signal_job(process, job, signal.SIGTERM)
+    """Stop every process of the job: SIGTERM, up to _TERMINATE_GRACE_S to exit, then SIGKILL; return once
+    none of them runs any more."""
+    seen: set[int] = set()  # the job's pids: a dying process loses its environment (our mark) before it is dead
+    _signal_job(process, job, signal.SIGTERM, seen)
     try:
         deadline = time.monotonic() + _TERMINATE_GRACE_S
-        while (process.poll() is None or _job_pids(job)) and time.monotonic() < deadline:
+        while (process.poll() is None or _job_pids(job) or _running(seen)) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:  # also after a second Ctrl-C during the grace period
-        _signal_job(process, job, signal.SIGKILL)
+        _signal_job(process, job, signal.SIGKILL, seen)
         process.wait()
+        # SIGKILL cannot be refused, but a loaded machine takes moments to end a process: wait for that.
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        while _running(seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
-def _signal_job(process: subprocess.Popen, job: str, sig: int) -> None:
+def _signal_job(process: subprocess.Popen, job: str, sig: int, seen: set[int]) -> None:
     if process.poll() is None:  # until torchrun is reaped, its pid (which names its process group) is not reused
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
     for pid in _job_pids(job):
+        seen.add(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def _running(pids: set[int]) -> bool:
+    """Whether any of ``pids`` still runs: an ended process that is not yet reaped (a zombie) does not."""
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+        except (OSError, IndexError):  # gone
+            continue
+    return False
 
 
 def _job_pids(job: str) -> list[int]:
