@@ -25,7 +25,7 @@ $(INSTALLED): pyproject.toml $(CONSTRAINTS)
 	@# --no-compile: Python compiles a module when it is first imported (into PYTHONPYCACHEPREFIX); compiling every
 	@# installed file up front took a minute.
 	@# The machine's pip configuration names extra package folders that may be absent; hide pip's noise about them.
-	@$(PY) -m pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[course,test]' 2>&1 | { grep -v 'is ignored: it is neither' || true; }
+	@$(PY) -m pip install --quiet --no-compile --disable-pip-version-check $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[course,test]' 2>&1 | { grep -v 'is ignored: it is neither' || true; }
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
