@@ -36,7 +36,6 @@ import pytest
 from helpers import Tiny
 import dist.check_channel as check_channel
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
