@@ -762,10 +762,11 @@ def test_clip_grad_norm_of_the_optimizer_measures_the_muon_gradients_only(checks
 
 @pytest.mark.parametrize("name", ["compiled", "compiled_ddp"])  # Z3, and the DDP backend
 def test_per_block_torch_compile_equals_eager_and_does_not_recompile(checks, name):
+    # torchtitan's recipe: each block in a checkpoint_wrapper, then torch.compile'd, then dmuon
     c = real_use(checks, name)
     # aot_eager runs eager kernels after decompositions: float32 reordering at most (measured: 0.0 on both;
-    # after a step the DDP backend's non-owned matrices land before the first block's graph runs, so its guards
-    # see plain Parameters)
+    # a non-owner's matrix is a plain Parameter while its layer runs, as an owner's is, so every block's guards
+    # see the same types)
     assert c["max_abs_diff"] < TOLERANCE, c
     # Graphs compiled so far, per rank, after each step (Dynamo's recompile limit is raised and reaching it
     # fails: no silent fallback to eager). Warm-up is two steps on rank 0 (the first also initialises FSDP2
@@ -774,6 +775,28 @@ def test_per_block_torch_compile_equals_eager_and_does_not_recompile(checks, nam
     for graphs in c["graphs_after_each_step"]:
         assert graphs[0] > 0 and len(set(graphs[2:])) == 1, c
     assert len(set(c["graphs_after_each_step"][0][1:])) == 1, c
+
+
+@pytest.mark.parametrize("record, nproc", [("compiled_graphs", 2), ("compiled_graphs_tp", 4)])
+def test_compiled_blocks_have_as_many_graphs_under_dmuon_as_alone(checks, record, nproc):
+    # Each block compiled in torchtitan's order, wrapping or in place, with and without checkpoint_wrapper, under
+    # every layout: Dynamo's unique graphs on each rank, after two windows, against the same blocks alone. A graph
+    # break (a dmuon hook inside the compiled region) or a recompile (a parameter whose type depends on its owner)
+    # would add graphs; a break inside a checkpointed region drops the whole block to eager (0 graphs).
+    if checks["nproc"] != nproc or GPUS:
+        pytest.skip(f"counted on {nproc} CPU ranks")
+    counted = checks[record]["graphs"]
+    layouts = {key.split("; ")[0] for key in counted}
+    styles = {key.split("; ")[1] for key in counted}
+    # every style on the 1-D layouts; on TP, torchtitan's recipe (checkpointed, wrapping) and its opposite
+    assert layouts == ({"alone", "z3", "z2", "ddp", "hsdp"} if nproc == 2 else {"tp alone", "tp", "ddp_tp"}), counted
+    assert len(styles) == (4 if nproc == 2 else 2) and len(counted) == len(layouts) * len(styles), counted
+    alone = "alone" if nproc == 2 else "tp alone"
+    for style in styles:
+        expected = counted[f"{alone}; {style}"]
+        assert all(graphs >= 1 and breaks == 0 for graphs, breaks in expected), (style, expected)
+        for layout in layouts - {alone}:
+            assert counted[f"{layout}; {style}"] == expected, (layout, style, counted)
 
 
 # --------------------------------------------- the public API: hook boundaries, groups, policies, diagnostics

@@ -103,6 +103,8 @@ def _boundary(model, name, p, predicate, strict, resolver, path_of) -> str:
         layer = model.get_submodule(path)
     except AttributeError:
         layer = None
-    if layer is None or type(layer).forward is nn.Module.forward:  # e.g. a ModuleDict: never called
+    # A container that is never called (a ModuleDict) has nn.Module's forward; torch.compile's OptimizedModule has
+    # it too on its class, but is called: its forward is set on the instance.
+    if layer is None or getattr(layer.forward, "__func__", None) is nn.Module.forward:
         return own
     return path

@@ -847,8 +847,18 @@ def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, n
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
         for own in {alias.rpartition(".")[0] for alias, _ in used} - {path}:
-            model.get_submodule(own).register_forward_pre_hook(
-                _outside_dynamo(lambda _m, _args, unit=unit: state.make_resident(unit)))
+            model.get_submodule(own).register_forward_pre_hook(_resident_before(state, unit))
+
+
+def _resident_before(state: DMuonState, unit: Unit):
+    """A forward pre-hook that makes ``unit`` resident unless it is. Inside a compiled block Dynamo traces the test
+    (and guards on it) instead of breaking the graph: the unit's own hook, which runs outside, made it resident."""
+    make_resident = _outside_dynamo(state.make_resident)
+
+    def hook(_module, _args):
+        if not unit.resident:
+            make_resident(unit)
+    return hook
 
 
 def _outside_dynamo(hook):

@@ -3,16 +3,20 @@
 Between uses a non-owner keeps no values of the matrix. Its Parameter stays the same
 object (``model.parameters()`` returns it at every step, so a user's EMA, an optimizer
 or a compiled block sees one stable tensor), but its data is a zero-element tensor of
-the matrix's dtype and device. The object's class becomes :class:`DedicatedParameter`,
-an nn.Parameter whose ``__torch_function__``:
+the matrix's dtype and device, and its class is :class:`DedicatedParameter`, an
+nn.Parameter whose ``__torch_function__``:
 
 - answers metadata with the matrix's own: ``shape``, ``size()``, ``dim()``, ``numel()``,
   dtype, device, ``requires_grad``, ``grad``;
 - raises a RuntimeError for anything that reads values (``p.norm()``, ``p.clone()``,
   ``p.data``, ``p.detach()``, ``torch.save``, ``model.state_dict()``), naming the
-  matrix, its owner and what to call instead;
-- passes every call through untouched while the matrix is resident, i.e. between the
-  broadcast that fills it for a layer's forward (or backward) and its release.
+  matrix, its owner and what to call instead.
+
+While the matrix is resident, between the broadcast that fills it for a layer's forward
+(or backward) and its release, the parameter is of its own class again: a compiled
+block then sees the same parameter types in every layer on every rank, owned or not,
+and compiles one graph for all of them (a class that differed by owner would be one
+more graph per pattern of owners).
 
 dmuon swaps the data with :func:`hold` and :func:`release` (views of the broadcast
 buffer, and the placeholder). Replacing ``.data`` keeps the TensorImpl, so autograd's
@@ -82,13 +86,11 @@ class DedicatedParameter(nn.Parameter):
     _dmuon_owner_rank: int
     _dmuon_rank: int
     _dmuon_shape: torch.Size
-    _dmuon_resident: bool
 
     @classmethod
     def __torch_function__(cls, func, _types=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        absent = [a for a in _tensors_in((*args, *kwargs.values())) if isinstance(a, DedicatedParameter)
-                  and not a._dmuon_resident]
+        absent = [a for a in _tensors_in((*args, *kwargs.values())) if isinstance(a, DedicatedParameter)]
         if absent:
             name = _name_of(func)
             if name in _SHAPE_ANSWERS and args and args[0] is absent[0] and len(absent) == 1:
@@ -121,9 +123,8 @@ def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
     if isinstance(p, DTensor):
         release(p)
         return
-    shape = p.shape
-    p.__class__ = DedicatedParameter
-    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, shape
+    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, p.shape
+    _remember_own_class(p)
     release(p)
 
 
@@ -131,27 +132,37 @@ def is_resident(p: torch.Tensor) -> bool:
     """Whether ``p`` holds the matrix's values now (always, on its owner)."""
     if isinstance(p, DTensor):
         return getattr(p, "_dmuon_resident", True)
-    return not isinstance(p, DedicatedParameter) or p._dmuon_resident
+    return not isinstance(p, DedicatedParameter)
 
 
-def hold(p: DedicatedParameter, values: torch.Tensor) -> None:
+def hold(p: nn.Parameter, values: torch.Tensor) -> None:
     """Make ``p`` resident with ``values`` (a tensor of the matrix's shape; no copy is made)."""
     if isinstance(p, DTensor):
-        p._local_tensor = values
-    else:
-        with torch._C.DisableTorchFunctionSubclass():
-            p.data = values
-    p._dmuon_resident = True
+        # A copy with a storage of its own: torch.compile cannot fake a DTensor whose local tensor starts inside a
+        # larger storage (the broadcast buffer), and fails on "a storage on different device meta" (torch 2.13).
+        p._local_tensor = values.clone()
+        p._dmuon_resident = True
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = values
+    p.__class__ = p._dmuon_class
 
 
-def release(p: DedicatedParameter) -> None:
+def release(p: nn.Parameter) -> None:
     """Drop ``p``'s values: its data becomes a zero-element tensor of its dtype and device."""
     if isinstance(p, DTensor):
         p._local_tensor = torch.empty(0, dtype=p.dtype, device=p.device)
-    else:
-        with torch._C.DisableTorchFunctionSubclass():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    p._dmuon_resident = False
+        p._dmuon_resident = False
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.__class__ = DedicatedParameter
+
+
+def _remember_own_class(p: nn.Parameter) -> None:
+    """Keep ``p``'s class (a user's Parameter subclass stays one), which every swap here returns it to."""
+    if "_dmuon_class" not in p.__dict__:
+        p._dmuon_class = type(p)
 
 
 class _Publishing:
@@ -214,8 +225,7 @@ class PublishingDTensor(_Publishing, DTensor):
 def publishing(p: nn.Parameter, land) -> None:
     """Mark ``p`` as awaiting its step result: its next read calls ``land()`` first, which must call
     :func:`landed` on it."""
-    if not isinstance(p, _Publishing):  # already marked: a second publish before any read keeps its own class
-        p._dmuon_class = type(p)  # a user's Parameter subclass stays one
+    _remember_own_class(p)
     p._dmuon_land = land
     p.__class__ = PublishingDTensor if isinstance(p, DTensor) else PublishingParameter
 
@@ -224,4 +234,4 @@ def landed(p: nn.Parameter) -> None:
     """``p`` holds its step result: of its own class again."""
     if isinstance(p, _Publishing):
         p.__class__ = p._dmuon_class
-        del p._dmuon_land, p._dmuon_class
+        del p._dmuon_land

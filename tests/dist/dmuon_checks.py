@@ -225,6 +225,8 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
         parallelize(model, tp_mesh(mesh.device_type))
     if wrapped:  # each block in a CheckpointWrapper: its names gain "_checkpoint_wrapped_module."
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    if compiled:  # torchtitan's order: TP, checkpoint_wrapper, then torch.compile of each block, then dmuon
+        compile_blocks(model)
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
     if hsdp:  # FSDP2 shards on the shard axis and replicates across; dmuon holds one copy per replica
@@ -241,8 +243,6 @@ def build(mesh, zero3, seed=0, tied=False, mp_policy=None, checkpointed=False, c
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
-    if compiled:
-        compile_blocks(model)
     return model, muon_of(model, replicate_async=replicate_async, **_muon_kwargs(model, muon_kwargs))
 
 
@@ -250,10 +250,14 @@ def _muon_kwargs(model, muon_kwargs):
     return (muon_kwargs(model) if callable(muon_kwargs) else muon_kwargs) or {}
 
 
-def compile_blocks(model):
-    """torch.compile per block; aot_eager: no C++ to compile on 2 cores."""
-    for layer in model.layers:
-        layer.compile(backend="aot_eager")
+def compile_blocks(model, wrapping=True, backend="aot_eager"):
+    """torch.compile of each block: wrapping it (``model.layers[i] = torch.compile(block)``) or in place
+    (``block.compile()``); aot_eager: no C++ to compile on 2 cores."""
+    for i, layer in enumerate(model.layers):
+        if wrapping:
+            model.layers[i] = torch.compile(layer, backend=backend)
+        else:
+            layer.compile(backend=backend)
 
 
 def muon_of(model, **kwargs):
@@ -437,8 +441,9 @@ def check_placeholders(mesh):
 
 
 def check_compiled(mesh, backend="fsdp2"):
-    """Per-block torch.compile (aot_eager) against eager dmuon (Z3, or the DDP backend): the same steps, and no
-    recompile after warm-up (the graphs compiled so far in this process, per rank, after each step).
+    """torchtitan's recipe, each block in a checkpoint_wrapper and then torch.compile'd (aot_eager) before dmuon,
+    against the same blocks eager (Z3, or the DDP backend): the same steps, and no recompile after warm-up (the
+    graphs compiled so far in this process, per rank, after each step).
 
     Dynamo's default limit of 8 compilations per code object is reached on rank 1 (nn.Linear.forward serves
     three weight shapes, with and without bias, over micro-batch sizes 1 to 5), and past it Dynamo runs the
@@ -446,8 +451,8 @@ def check_compiled(mesh, backend="fsdp2"):
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {}
     for compiled in (False, True):
-        model, opt = (build(mesh, zero3=True, compiled=compiled) if backend == "fsdp2"
-                      else build_ddp(mesh, compiled=compiled))
+        model, opt = (build(mesh, zero3=True, wrapped=True, compiled=compiled) if backend == "fsdp2"
+                      else build_ddp(mesh, wrapped=True, compiled=compiled))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         graphs = []
         with torch._dynamo.config.patch(recompile_limit=32, fail_on_recompile_limit_hit=True):
@@ -460,6 +465,64 @@ def check_compiled(mesh, backend="fsdp2"):
     report("compiled" if backend == "fsdp2" else f"compiled_{backend}",
            max_abs_diff=max((eager[n] - compiled[n]).abs().max().item() for n in eager),
            graphs_after_each_step=per_rank(graphs))
+
+
+COMPILE_STYLES = {f"{'checkpointed' if c else 'plain'}, {'wrapping' if w else 'in place'}": (c, w)
+                  for c in (True, False) for w in (True, False)}
+
+
+def compiled_graphs(layout, checkpointed, wrapping, backend="aot_eager"):
+    """(unique graphs, graph breaks) Dynamo counts when each block of a fresh model is compiled in torchtitan's order
+    (TP, checkpoint_wrapper, torch.compile, then data parallelism) and trained two windows of two micro-batches.
+
+    ``layout``: "alone" (the blocks, nothing distributed), "z3", "z2", "ddp" (dmuon's DDP backend), "hsdp" (2 x
+    W/2, Z3); "tp alone", "tp" (FSDP2 + TP, Z3), "ddp_tp". Dynamo's caches are reset first, so that each layout
+    compiles from nothing."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE[0])
+    with_tp = layout.startswith("tp") or layout == "ddp_tp"
+    if with_tp:
+        parallelize(model, tp_mesh(DEVICE[0].type))
+    if checkpointed:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    compile_blocks(model, wrapping, backend)
+    mesh = tp_mesh(DEVICE[0].type)["dp"] if with_tp else init_device_mesh(DEVICE[0].type, (dist.get_world_size(),))
+    if layout in ("z3", "z2", "tp"):
+        dmuon.dedicate_params(model, mesh, predicate, reshard_after_forward=layout != "z2")
+    elif layout == "hsdp":
+        mesh = hsdp_mesh(DEVICE[0].type)
+        dmuon.dedicate_params(model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"])
+    elif layout in ("ddp", "ddp_tp"):
+        (dmuon.dedicate_params_ddp_tp if with_tp else dmuon.dedicate_params_ddp)(model, mesh, predicate)
+        (dmuon.replicate_tp if with_tp else dmuon.replicate)(model, mesh)
+    if layout in ("z3", "z2", "tp", "hsdp"):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    distributed_run = "alone" not in layout
+    opt = muon_of(model) if distributed_run else torch.optim.AdamW(model.parameters(), **ADAMW)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        for j in range(2):
+            with dmuon.no_sync(model) if distributed_run and j == 0 else contextlib.nullcontext():
+                model(torch.randn(4, IN, generator=g).to(DEVICE[0])).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def check_compiled_graphs(layouts, name, styles=tuple(COMPILE_STYLES)):
+    """Per layout and compile style, what compiled_graphs counts on each rank: under dmuon as many graphs as the same
+    blocks alone, and no graph break. Graph breaks and recompiles are Dynamo's: its "eager" backend counts them
+    without AOTAutograd's tracing of each graph (check_compiled runs aot_eager, and TP's first compile in a 4-rank
+    process costs 7 s on 2 cores: the TP layouts take two styles, the recipe and its opposite)."""
+    counted = {f"{layout}; {style}": per_rank(compiled_graphs(layout, *COMPILE_STYLES[style], backend="eager"))
+               for layout in layouts for style in styles}
+    torch._dynamo.reset()
+    report(name, graphs=counted)
 
 
 def check_mixed_precision(mesh, zero3, via_compute_dtype=False, backend="fsdp2"):
@@ -1316,14 +1379,14 @@ def build_ddp(mesh, seed=0, muon_kwargs=None, tp=False, wrapped=False, tied=Fals
         parallelize(model, mesh2d)
     if wrapped:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    if compiled:
+        compile_blocks(model)
     if tp:  # the public DDP + TP order: TP, then dedicate_params_ddp_tp and replicate_tp on the DP axis
         dmuon.dedicate_params_ddp_tp(model, mesh2d["dp"], predicate, **dedicate_kwargs)
         dmuon.replicate_tp(model, mesh2d["dp"])
     else:
         dmuon.dedicate_params_ddp(model, mesh, predicate, **dedicate_kwargs)
         dmuon.replicate(model, mesh)
-    if compiled:
-        compile_blocks(model)
     return model, muon_of(model, **_muon_kwargs(model, muon_kwargs))
 
 
@@ -1688,8 +1751,11 @@ def main():
                 check_wrapped_checkpoints(mesh, layout)
             check_frozen(mesh, tp=True)
             check_direct_reads(mesh, "ddp_tp")
+            check_compiled_graphs(["tp alone", "tp", "ddp_tp"], "compiled_graphs_tp",
+                                  styles=("checkpointed, wrapping", "plain, in place"))
         if real_use:
             check_compiled(mesh)
+            check_compiled_graphs(["alone", "z3", "z2", "ddp", "hsdp"], "compiled_graphs")
             check_public_api(mesh, directory)
             check_mixed_precision(mesh, zero3=True, via_compute_dtype=True)
             check_hook_boundaries(mesh)
