@@ -1,26 +1,27 @@
-"""A full training step of dmuon against FSDP2 + AdamW, DDP + replicated Muon and its TP peers, as ratios.
+"""A full training step of each dmuon layout against its floor and its peers, and where the time goes.
 
     .venv/bin/python benchmarks/bench_step.py           # 2 and 4 CPU ranks; a few minutes on 2 cores
 
 The peer's headline number: N micro-batches of forward and backward, then the
-optimizer step, on the same model, in one run per world size, the setups interleaved
-(each repeat in a rotated order, so that drift hits all alike); medians of the slowest
-rank's time. The model: the course's small GPT (d 256, 4 layers, vocab 256), 8 x 64
-tokens per micro-batch per rank, 4 micro-batches per step, the first 3 without gradient
+optimizer step, on the same model, in one run per world size, the setups interleaved.
+The model: the course's small GPT (d 256, 4 layers, vocab 256), 8 x 64 tokens per
+micro-batch per rank, 4 micro-batches per step, the first 3 without gradient
 synchronisation in every setup (dmuon.no_sync, FSDP2's set_requires_gradient_sync,
 DDP's no_sync).
 
 - FSDP2 + AdamW: fully_shard on each layer and the model, AdamW on everything;
 - dmuon Z2 / Z3: dedicated hidden matrices (Muon on their owners), FSDP2 + AdamW on the
   rest, the default schedule (broadcasts prefetched one layer ahead, bucketed reduces);
-- dmuon Z3, no prefetch: the same with ``forward_prefetch_depth=0`` (each broadcast issued
-  at its own layer, where it is waited for at once);
-- DDP + replicated Muon: every rank all-reduces every gradient and runs Muon on every
-  matrix;
-- DDP + AdamW: the same layout with AdamW on everything;
+- DDP + AdamW: DDP and AdamW on everything;
 - dmuon DDP backend: dedicate_params_ddp and replicate, every rank holding the whole
-  model; each matrix reduced to its owner, stepped there, broadcast after the step (its
-  ratio to DDP + replicated Muon is the one dmuon must win).
+  model; each matrix reduced to its owner, stepped there, broadcast after the step;
+- on 2 ranks, dmuon Z3, no prefetch: Z3 with ``forward_prefetch_depth=0`` (each broadcast
+  issued at its own layer, where it is waited for at once); and, natively, torchtitan's
+  recipe under Z3, each block in a checkpoint_wrapper, eager and torch.compile'd
+  (inductor).
+
+DDP + replicated Muon, the DDP backend's naive peer, is measured by user_step.py, the
+same step written as a user would write it (run_all.py runs both and compares them).
 
 On 4 ranks, as (dp, tp) = (2, 2) with tp_setups.py's Megatron plan (TP first, then data
 parallelism on the DP axis, as the public tp-dp example orders them; the two ranks of a
@@ -35,16 +36,27 @@ TP group get the same batch):
   dedicate_params_ddp_tp and replicate_tp. Each TP-sharded matrix's TP owner gathers it,
   runs Newton-Schulz once, and scatters the update (dmuon_edu/dmuon/tp.py).
 
-"blocked" is the time a rank spends waiting for dmuon's collectives (every wait goes
-through the collective-order check's ``waiting``), averaged over ranks, and its share of
-the step. Two more phases, averaged over ranks: the TP gather and scatter around the
-optimizer step (dmuon's tp.gather_gradients and tp.apply_updates, or WholeMatrixMuon's
-full_tensor gathers and shard cuts; waits included, so a rank that waits there for its
-TP owner's Newton-Schulz counts that time too), and Muon's local steps (momentum,
-Newton-Schulz, the update: dmuon_edu.muon.Muon's, inside dmuon as in the baselines). On
-a 2-core CPU gloo's asynchronous work does not overlap compute (both compete for the
-same cores), so prefetching shows here as a schedule (tests/test_dmuon.py proves its
-order), not as time; the GPU is where it saves time.
+Each round runs one step of every setup, in an order rotated by one at each round;
+fresh random tokens at every step. Per setup: the median step (the slowest rank's), its
+ratio to the AdamW step of its own layout (the median of the rounds' ratios, with their
+interquartile range), and where the time goes (phases.py: forward, backward, the waits
+for dmuon's reduces and broadcasts, the step's all-reduce, Muon's local steps, the TP
+gather and scatter, AdamW, the order check, dmuon's hooks and copies), per rank, the
+medians over rounds averaged over ranks. On a 2-core CPU gloo's asynchronous work does
+not overlap compute (both compete for the same cores), so prefetching shows here as a
+schedule (tests/test_dmuon.py proves its order), not as time; the GPU is where it saves
+time.
+
+Each dmuon layout's *floor* is what its design cannot avoid on top of the AdamW step of
+its layout: the AdamW step itself (measured in the same rounds), plus its owners' share of
+Muon's local steps (the slowest rank's Muon and TP phases, measured in the rounds: the
+step waits for it), plus the collectives that AdamW does not need, each timed alone
+after the rounds on the same ranks (the step's all-reduce of six numbers; for the DDP
+backend the post-step broadcast of the updated matrices; FSDP2's all-gathers and DDP's
+all-reduces of the matrices are in the AdamW step, where dmuon's broadcasts and reduces
+replace them). Step over floor is the median over rounds of a round's step over that
+round's AdamW step plus the two other parts: a step within 3% of its floor spends
+nothing that its design could save.
 """
 
 import contextlib
@@ -55,23 +67,40 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-import tp_setups  # a sibling: run as a script, or imported by run_all.py with this folder on sys.path
+# siblings: run as a script, or imported by run_all.py with this folder on sys.path
+import tp_setups
+from machine import emulation
+from phases import PHASES, Phases, instrument
 
-REPEATS, MICRO_BATCHES, BATCH, TOKENS = 5, 4, 8, 64
-SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "dmuon Z3, no prefetch", "DDP + replicated Muon", "DDP + AdamW",
-          "dmuon DDP backend"]
+MICRO_BATCHES, BATCH, TOKENS = 4, 8, 64
+ROUNDS = {2: 8, 4: 6}  # per world size: a 4-rank step takes twice as long on 2 cores
+SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "DDP + AdamW", "dmuon DDP backend"]
+# Prefetching is a schedule on a CPU (its time is a GPU's, docs/gpu.md): shown on 2 ranks only.
+PREFETCH_SETUPS = ["dmuon Z3, no prefetch"]
 # On (dp, tp) = (W / 2, 2) (tp_setups.py): each dmuon TP backend beside its layout's AdamW and whole-matrix Muon.
 TP_SETUPS = ["FSDP2 + TP + AdamW", "FSDP2 + TP + whole-matrix Muon", "dmuon Z3 + TP", "DDP + TP + AdamW",
              "DDP + TP + whole-matrix Muon", "dmuon DDP backend + TP"]
 TP_WORLD_SIZES = (4,)
-# Each dmuon layout's own peers, the ratios it must win: replicated Muon (and AdamW) on the same layout.
-PEERS = {"dmuon DDP backend": ["DDP + replicated Muon"],
-         "dmuon Z3 + TP": ["FSDP2 + TP + AdamW", "FSDP2 + TP + whole-matrix Muon"],
-         "dmuon DDP backend + TP": ["DDP + TP + AdamW", "DDP + TP + whole-matrix Muon"]}
+# torchtitan's recipe on 2 ranks, natively (inductor's kernels ignore the emulation's variables): each block in a
+# checkpoint_wrapper, then torch.compile'd (inductor, the default), then dmuon; against the same blocks eager.
+COMPILE_SETUPS = ["dmuon Z3, checkpointed", "dmuon Z3, checkpointed + compiled"]
+COMPILE_WORLD_SIZES = (2,)
+# The AdamW step of each setup's own layout: its floor's first part, and the ratio every setup is shown at.
+ADAMW_PEER = {"dmuon Z2": "FSDP2 + AdamW", "dmuon Z3": "FSDP2 + AdamW", "dmuon Z3, no prefetch": "FSDP2 + AdamW",
+              "dmuon DDP backend": "DDP + AdamW",
+              "FSDP2 + TP + whole-matrix Muon": "FSDP2 + TP + AdamW", "dmuon Z3 + TP": "FSDP2 + TP + AdamW",
+              "DDP + TP + whole-matrix Muon": "DDP + TP + AdamW", "dmuon DDP backend + TP": "DDP + TP + AdamW"}
+# Each TP layout's naive peer, the ratio it must win: whole-matrix Muon on the same layout (the 1-D layouts' peer,
+# DDP + replicated Muon, is user_step.py's); and the compiled recipe against the same blocks eager.
+PEERS = {"dmuon Z3 + TP": "FSDP2 + TP + whole-matrix Muon", "dmuon DDP backend + TP": "DDP + TP + whole-matrix Muon",
+         "dmuon Z3, checkpointed + compiled": "dmuon Z3, checkpointed"}
+FLOOR_TOLERANCE = 0.03  # a step within 3% of its floor spends nothing its design could save
+ISOLATED_REPEATS = 15
 
 
 def where(setup: str, world_size: int) -> str:
@@ -80,12 +109,28 @@ def where(setup: str, world_size: int) -> str:
     return f"{world_size} ranks{grid}"
 
 
+def isolated_seconds(collective) -> float:
+    """The slowest rank's time of ``collective()`` alone, every rank starting together: the median of a few."""
+    times = []
+    for _ in range(ISOLATED_REPEATS):
+        dist.barrier()
+        start = time.perf_counter()
+        collective()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
 def worker():
-    from dmuon_edu import distributed, dmuon, muon
+    from dmuon_edu import distributed, dmuon
     from dmuon_edu.course.dmuon_problem import is_dedicated
     from dmuon_edu.course.gpt import GPT, GPTConfig
-    from dmuon_edu.dmuon import tp
-    from dmuon_edu.dmuon.order import CollectiveOrder
+
+    phases = Phases()
+    instrument(phases)  # before any model is prepared: dmuon registers bound methods as hooks
+    for attribute in ("gather_gradients", "apply_updates"):
+        phases.wrap(tp_setups.WholeMatrixMuon, attribute, "TP gather + scatter")
 
     with distributed.session() as ranks:
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
@@ -93,45 +138,14 @@ def worker():
         if with_tp:
             mesh2d = init_device_mesh(ranks.device.type, (ranks.world_size // tp_setups.TP, tp_setups.TP),
                                       mesh_dim_names=("dp", "tp"))
-        setups = SETUPS + (TP_SETUPS if with_tp else [])
+        with_compile = ranks.world_size in COMPILE_WORLD_SIZES and not emulation()
+        setups = (SETUPS + (PREFETCH_SETUPS if ranks.world_size == 2 else []) + (TP_SETUPS if with_tp else [])
+                  + (COMPILE_SETUPS if with_compile else []))
+        rounds = ROUNDS.get(ranks.world_size, 6)
         config = GPTConfig(vocab_size=256, block_size=TOKENS, n_layer=4, n_head=4, d_model=256)
-
-        def batches_of(replica):  # one rank's micro-batches; the ranks of a TP group share theirs
-            g = torch.Generator().manual_seed(replica)
-            return [torch.randint(0, 256, (BATCH, TOKENS + 1), generator=g) for _ in range(MICRO_BATCHES)]
-        batches, tp_batches = batches_of(ranks.rank), batches_of(ranks.rank // tp_setups.TP)
-
-        # Seconds per phase of a step on this rank: "blocked" (waiting for dmuon's collectives), "tp" (the TP
-        # gather and scatter around the optimizer step), "muon" (Muon's local steps: momentum, Newton-Schulz, update).
-        spent = dict.fromkeys(("blocked", "tp", "muon"), 0.0)
-        waiting = CollectiveOrder.waiting
-
-        @contextlib.contextmanager
-        def timed_waiting(self, event, description):
-            start = time.perf_counter()
-            try:
-                with waiting(self, event, description):
-                    yield
-            finally:
-                spent["blocked"] += time.perf_counter() - start
-
-        CollectiveOrder.waiting = timed_waiting
-
-        def timed(owner, attribute, phase):
-            function = getattr(owner, attribute)
-
-            def wrapper(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return function(*args, **kwargs)
-                finally:
-                    spent[phase] += time.perf_counter() - start
-            setattr(owner, attribute, wrapper)
-
-        for owner in (tp, tp_setups.WholeMatrixMuon):
-            timed(owner, "gather_gradients", "tp")
-            timed(owner, "apply_updates", "tp")
-        timed(muon.Muon, "_step_same_shape", "muon")
+        # Fresh tokens at every step, one stream per data-parallel index: the ranks of a TP group share theirs.
+        streams = {tp: torch.Generator().manual_seed(ranks.rank // tp_setups.TP if tp else ranks.rank)
+                   for tp in (False, True)}
 
         def sharded(model, dp_mesh):
             for layer in model.layers:
@@ -157,6 +171,10 @@ def worker():
             if "TP" in name:  # the public tp-dp order: TP first, then data parallelism on the DP axis
                 tp_setups.parallelize(model, mesh2d["tp"])
                 dp_mesh = mesh2d["dp"]
+            if "checkpointed" in name:  # then activation checkpointing, then torch.compile of each block
+                for i, layer in enumerate(model.layers):
+                    layer = checkpoint_wrapper(layer)
+                    model.layers[i] = torch.compile(layer) if "compiled" in name else layer
             if name.startswith("dmuon DDP backend"):
                 if "TP" in name:
                     dmuon.dedicate_params_ddp_tp(model, dp_mesh, is_dedicated)
@@ -181,69 +199,114 @@ def worker():
                 return called, [torch.optim.AdamW(model.parameters(), lr=1e-3)], no_sync
             matrices = [p for n, p in model.named_parameters() if is_dedicated(n, p)]
             rest = [p for n, p in model.named_parameters() if not is_dedicated(n, p)]
-            replicated = tp_setups.WholeMatrixMuon if "TP" in name else muon.Muon
-            return called, [replicated(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)], no_sync
+            return called, [tp_setups.WholeMatrixMuon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)], no_sync
 
-        def train_step(model, optimizers, no_sync, batches):
-            for j, batch in enumerate(batches):
+        def train_step(name):
+            model, optimizers, no_sync = runs[name]
+            tokens = streams["TP" in name]
+            for j in range(MICRO_BATCHES):
+                batch = torch.randint(0, config.vocab_size, (BATCH, TOKENS + 1), generator=tokens)
                 with no_sync() if j < MICRO_BATCHES - 1 else contextlib.nullcontext():
-                    model(batch[:, :-1], batch[:, 1:]).loss.div(MICRO_BATCHES).backward()
+                    with phases.phase("forward"):
+                        loss = model(batch[:, :-1], batch[:, 1:]).loss.div(MICRO_BATCHES)
+                    with phases.phase("backward"):
+                        loss.backward()
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad()
 
-        runs = {name: (*setup(name), tp_batches if "TP" in name else batches) for name in setups}
-        for name in setups:
-            train_step(*runs[name])  # warm-up
+        runs = {name: setup(name) for name in setups}
+        for name in setups:  # warm-up: optimizer state, FSDP2's buffers, torch.compile's graphs
+            for _ in range(2 if "compiled" in name else 1):
+                train_step(name)
         times = {name: [] for name in setups}
-        phases = {name: [] for name in setups}
-        for r in range(REPEATS):
+        spent = {name: [] for name in setups}  # per round: this rank's seconds per phase
+        for r in range(rounds):
             for name in setups[r % len(setups):] + setups[: r % len(setups)]:
                 dist.barrier()
-                for phase in spent:
-                    spent[phase] = 0.0
+                phases.reset()
                 start = time.perf_counter()
-                train_step(*runs[name])
-                elapsed = torch.tensor([time.perf_counter() - start, *spent.values()], dtype=torch.float64)
-                slowest = elapsed[:1].clone()
+                train_step(name)
+                slowest = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.SUM)
                 times[name].append(slowest.item())
-                phases[name].append((elapsed[1:] / ranks.world_size).tolist())
-        reference = statistics.median(times["FSDP2 + AdamW"])
+                spent[name].append(dict(phases.spent))
+
+        # The collectives that AdamW does not need, each alone on the same ranks.
+        flag = torch.zeros(6, dtype=torch.float64)
+        alone = {"the step's all-reduce": isolated_seconds(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))}
+        for name in setups:
+            if name.startswith("dmuon DDP backend"):
+                state = runs[name][0]._dmuon
+                alone[f"{name}: post-step broadcast"] = isolated_seconds(
+                    lambda state=state: (state.publish(), state.wait_published()))
+
+        def per_rank(values):
+            gathered = [None] * ranks.world_size
+            dist.all_gather_object(gathered, values)
+            return gathered
+
+        # Per rank and phase: the median over rounds; then every rank's, for the mean and the slowest.
+        medians = {name: {phase: statistics.median(s[phase] for s in spent[name]) for phase in PHASES}
+                   for name in setups}
+        everyone = per_rank(medians)
         for name in setups:
             step = statistics.median(times[name])
-            blocked, in_tp, in_muon = (statistics.median(phase) for phase in zip(*phases[name]))
-            blocked_cell = f"{blocked * 1e3:.0f} ({blocked / step:.0%})" if name.startswith("dmuon") else "-"
-            tp_cell = f"{in_tp * 1e3:.0f} ({in_tp / step:.0%})" if "TP" in name and in_tp else "-"
-            muon_cell = f"{in_muon * 1e3:.0f} ({in_muon / step:.0%})" if in_muon else "-"
-            distributed.print0(f"ROW | {ranks.world_size} | {name} | {step * 1e3:.0f} | {blocked_cell} | {tp_cell} | "
-                               f"{muon_cell} | {step / reference:.2f} |")
+            peer = ADAMW_PEER.get(name)
+            # Ratios round by round (the setups of a round ran side by side): drift between rounds cancels.
+            ratios = [a / b for a, b in zip(times[name], times[peer])] if peer else [1.0] * rounds
+            low, _, high = statistics.quantiles(ratios, n=4)
+            mean = {phase: statistics.fmean(rank[name][phase] for rank in everyone) for phase in PHASES}
+            floor_cells = ["-"] * 4
+            if name.startswith("dmuon") and peer:
+                owners_share = max(rank[name]["Muon"] + rank[name]["TP gather + scatter"] for rank in everyone)
+                collectives = alone["the step's all-reduce"] + alone.get(f"{name}: post-step broadcast", 0.0)
+                floor = statistics.median(times[peer]) + owners_share + collectives
+                over_floor = statistics.median(a / (b + owners_share + collectives)
+                                               for a, b in zip(times[name], times[peer]))
+                floor_cells = [f"{owners_share * 1e3:.0f}", f"{collectives * 1e3:.1f}", f"{floor * 1e3:.0f}",
+                               f"{over_floor:.3f}"]
+            distributed.print0(
+                f"ROW | {ranks.world_size} | {name} | {step * 1e3:.0f} | {peer or '-'} | {statistics.median(ratios):.3f} "
+                f"| {low:.3f} | {high:.3f} | " + " | ".join(floor_cells) + " | "
+                + " | ".join(f"{mean[phase] * 1e3:.1f}" for phase in PHASES) + " |")
+        for what, seconds in alone.items():
+            distributed.print0(f"ALONE | {ranks.world_size} | {what} | {seconds * 1e3:.2f} |")
 
 
-def measure(nproc: int) -> list[str]:
-    """The table rows ("| W | setup | step ms | blocked ms (share) | TP gather + scatter ms (share) | Muon's local
-    steps ms (share) | ratio to FSDP2 + AdamW |") of one launch."""
+COLUMNS = ["W ranks", "setup", "step (ms)", "AdamW peer", "step / peer", "q1", "q3", "owners' Muon + TP (ms)",
+           "collectives AdamW does not need (ms)", "floor (ms)", "step / floor", *(f"{p} (ms)" for p in PHASES)]
+
+
+def measure(nproc: int, env: dict | None = None) -> tuple[list[list[str]], dict[str, float]]:
+    """One launch on ``nproc`` ranks (``env``: e.g. the emulation's variables): the rows (cells as COLUMNS), and the
+    collectives timed alone ({what: ms})."""
     from dmuon_edu.launch import torchrun
 
-    result = torchrun(__file__, nproc=nproc, timeout=900, echo=False)
-    return [line[4:] for line in result.stdout(0).splitlines() if line.startswith("ROW ")]
+    result = torchrun(__file__, nproc=nproc, timeout=900, echo=False, env=env)
+    rows, alone = [], {}
+    for line in result.stdout(0).splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if line.startswith("ROW "):
+            rows.append(cells)
+        elif line.startswith("ALONE "):
+            alone[cells[1]] = float(cells[2])
+    return rows, alone
 
 
 def main():
     from machine import describe
 
     print(f"{describe()}\nThe course's small GPT (d 256, 4 layers), {MICRO_BATCHES} micro-batches of {BATCH} x {TOKENS} "
-          f"tokens per rank; medians of {REPEATS}, slowest rank\n")
-    print("| W ranks | setup | step (ms) | blocked on dmuon's collectives (ms, share) | TP gather + scatter (ms, share) "
-          "| Muon's local steps (ms, share) | ratio to FSDP2 + AdamW |")
-    print("|---|---|---|---|---|---|---|")
+          f"tokens per rank; medians of {ROUNDS} rounds (by world size), slowest rank\n")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
     for nproc in (2, 4):
         start = time.perf_counter()
-        rows = measure(nproc)
-        print("\n".join(rows), flush=True)
-        print(f"({nproc} ranks: {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.1f})",
-              file=sys.stderr, flush=True)
+        rows, alone = measure(nproc)
+        print("\n".join("| " + " | ".join(cells) + " |" for cells in rows), flush=True)
+        print(f"({nproc} ranks: {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.1f}; "
+              f"alone: {alone})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import torch
 from dmuon_edu.newton_schulz import NS_DTYPE_ENV, cpu_bf16_flags, fast_dtype
 
 EMULATION_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", NS_DTYPE_ENV)
+# A CPU without native bf16 (AVX2 only), as `make test`'s emulated stage runs it: torch's AVX2 kernels, and the
+# Newton-Schulz dtype such a CPU's dtype="auto" takes.
+EMULATED_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", NS_DTYPE_ENV: "float32"}
 MATMUL_SIZE = 512
 
 

@@ -9,14 +9,18 @@ Each row sets a measured number beside what it is judged against, both from this
 - Newton-Schulz batched over same-shape matrices (torch.baddbmm: GPUs, and small
   matrices on CPU) against one matrix at a time (large matrices on CPU) (bench_muon.ns_times);
 - dmuon's optimizer step on 2 ranks against replicated Muon (bench_dmuon.measure);
-- a full training step (4 micro-batches, then the optimizer step) of dmuon Z2, Z3 and Z3
-  without prefetch, of DDP with replicated Muon and with AdamW, and of dmuon's DDP
-  backend, against FSDP2 + AdamW on 2 and 4 ranks, and the DDP backend against DDP with
-  replicated Muon; on 4 ranks as (dp, tp) = (2, 2), dmuon Z3 + TP and the DDP backend + TP
-  each against its layout's AdamW and whole-matrix Muon (bench_step.measure);
-- the time a dmuon training step spends in its collective-order check, order_check
-  "strict" (a store round trip per event) and "per_step" (the default), against the
-  step's time, on 2 and 4 ranks (order_check.measure);
+- a full training step (4 micro-batches, then the optimizer step) of each dmuon layout
+  against its floor (bench_step.measure: the AdamW step of the layout, plus the owners'
+  share of Muon, plus the collectives AdamW does not need, each measured in the same
+  launch), natively and emulating a CPU without native bf16 (machine.EMULATED_AVX2),
+  on 2 and 4 ranks (4 as (dp, tp) = (2, 2) for the TP layouts); each layout against its
+  naive peer (DDP + replicated Muon, from user_step.py; whole-matrix Muon under TP); and
+  torchtitan's compiled recipe against the same blocks eager. After the table, where
+  each step's time goes, phase by phase, and user_step.py (a plain script written from
+  docs/dmuon.md) against bench_step.py, setup by setup. The cost of dmuon's order
+  check in its default mode is one of the phases; benchmarks/order_check.py compares
+  the three modes (run it alone: it is not part of make bench, whose training steps
+  take most of its 15 minutes);
 - communication per optimizer step, counted by count_comm in the capstone's dmuon runs,
   against the published formulas: 2(W-1)/W P_M (Z2) and 3(W-1)/W P_M (Z3) on W ranks for one
   micro-batch per step, and one reduce per window with no_sync. count_comm counts every
@@ -52,7 +56,7 @@ import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_step  # noqa: E402
 import machine  # noqa: E402
-import order_check  # noqa: E402
+import user_step  # noqa: E402
 
 from dmuon_edu.course import capstone  # noqa: E402
 from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
@@ -121,35 +125,77 @@ def dmuon_rows() -> list[str]:
     return rows
 
 
+MACHINES = {"native": None, "emulated AVX2": machine.EMULATED_AVX2}
+USER_PEERS = {"dmuon DDP backend": "DDP + replicated Muon"}  # a 1-D layout's naive peer, from the user's script
+SECTIONS: list[str] = []  # markdown sections that follow the table in results.md
+
+
+def user_step_rows(nproc: int, env: dict | None) -> dict[str, list[str]]:
+    """The user-written script's rows, {setup: [W, setup, step ms, AdamW peer, ratio, q1, q3]}."""
+    result = torchrun(user_step.__file__, nproc=nproc, timeout=900, echo=False, env=env)
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout(0).splitlines()
+            if line.startswith("ROW ")]
+    return {cells[1]: cells for cells in rows}
+
+
 def training_step_rows() -> list[str]:
-    rows = []
-    for nproc in (2, 4):
-        steps = {}
-        for line in bench_step.measure(nproc):
-            _, world, setup, step, blocked, _, _, ratio, _ = (cell.strip() for cell in line.split("|"))
-            steps[setup] = float(step)
-            if setup != "FSDP2 + AdamW":
-                rows.append(row(f"training step, {setup}, {bench_step.where(setup, nproc)} (small GPT, 4 micro-batches)",
-                                f"{step} ms" + (f", blocked {blocked}" if blocked != "-" else ""),
-                                "FSDP2 + AdamW", float(ratio)))
-        # each dmuon layout against its own layout's peers: the ratios it must win
-        for ours, peers in bench_step.PEERS.items():
-            for peer in peers if ours in steps else ():
-                rows.append(row(f"training step, {ours}, {bench_step.where(ours, nproc)} (small GPT, 4 micro-batches)",
-                                f"{steps[ours]:.0f} ms", f"{peer} {steps[peer]:.0f} ms", steps[ours] / steps[peer]))
+    """Each training step against its floor (bench_step), against its naive peer, and a user's script against
+    bench_step, natively and emulated, on 2 and 4 ranks; the phases and floors go to a section of their own."""
+    rows, phase_tables, agreement = [], [], []
+    for machine_name, env in MACHINES.items():
+        for nproc in (2, 4):
+            bench, alone = bench_step.measure(nproc, env)
+            user = user_step_rows(nproc, env)
+            cells = {c[1]: dict(zip(bench_step.COLUMNS, c)) for c in bench}
+            where = lambda setup: f"{bench_step.where(setup, nproc)}, {machine_name}"  # noqa: E731
+            for setup, c in cells.items():
+                if c["floor (ms)"] != "-":
+                    rows.append(row(f"training step, {setup}, {where(setup)}: against its floor",
+                                    f"{c['step (ms)']} ms", f"floor {c['floor (ms)']} ms = {c['AdamW peer']} "
+                                    f"{cells[c['AdamW peer']]['step (ms)']} + owners' Muon "
+                                    f"{c[bench_step.COLUMNS[7]]} + {c[bench_step.COLUMNS[8]]}",
+                                    float(c["step / floor"])))
+            naive = {ours: (peer, cells[ours]["step (ms)"], cells[peer]["step (ms)"])
+                     for ours, peer in bench_step.PEERS.items() if ours in cells}
+            naive.update({ours: (peer, user[ours][2], user[peer][2]) for ours, peer in USER_PEERS.items()})
+            for ours, (peer, mine, theirs) in naive.items():
+                rows.append(row(f"training step, {ours}, {where(ours)}: against {peer}", f"{mine} ms",
+                                f"{peer} {theirs} ms", float(mine) / float(theirs)))
+            phase_tables.append((machine_name, nproc, bench, alone))
+            for setup, u in user.items():
+                if setup not in cells or u[3] == "-":
+                    continue
+                b = cells[setup]
+                overlap = float(u[5]) <= float(b["q3"]) and float(b["q1"]) <= float(u[6])
+                floor_cell, within = "-", ""
+                if b["floor (ms)"] != "-":  # the floor as a ratio to the AdamW peer, from bench_step's parts
+                    floor_ratio = float(b["floor (ms)"]) / float(cells[b["AdamW peer"]]["step (ms)"])
+                    floor_cell = f"{floor_ratio:.3f}"
+                    within = f"{float(u[4]) / floor_ratio:.3f}"
+                agreement.append(f"| {machine_name} | {nproc} | {setup} | {u[3]} | {u[4]} ({u[5]}-{u[6]}) | "
+                                 f"{b['step / peer']} ({b['q1']}-{b['q3']}) | {'yes' if overlap else 'NO'} | "
+                                 f"{floor_cell} | {within} |")
+    SECTIONS.append(_training_step_sections(phase_tables, agreement))
     return rows
 
 
-def order_check_rows() -> list[str]:
-    rows = []
-    for nproc in (2, 4):
-        for line in order_check.measure(nproc):
-            _, world, mode, check, events, trips, spent, step, share, _ = (cell.strip() for cell in line.split("|"))
-            if check != "off":
-                rows.append(row(f"dmuon order check per training step, order_check={check!r} ({events.split()[0]} "
-                                f"events, {trips} store round trips), {mode}, {world} ranks", f"{spent} ms in the check",
-                                f"the step {step} ms", float(share)))
-    return rows
+def _training_step_sections(phase_tables, agreement) -> str:
+    lines = ["## Training steps: where the time goes, and each layout's floor", "",
+             "bench_step.py, medians of the rounds; phases per rank, averaged over ranks (benchmarks/phases.py); "
+             "floor = the AdamW step of the layout + the slowest rank's Muon (and TP) phase + the collectives that "
+             "AdamW does not need, timed alone.", ""]
+    for machine_name, nproc, bench, alone in phase_tables:
+        lines += [f"### {nproc} ranks, {machine_name}", "", "| " + " | ".join(bench_step.COLUMNS) + " |",
+                  "|" + "---|" * len(bench_step.COLUMNS), *("| " + " | ".join(c) + " |" for c in bench), "",
+                  "Timed alone: " + "; ".join(f"{what} {ms:.2f} ms" for what, ms in alone.items()) + ".", ""]
+    lines += ["## A user's script against bench_step", "",
+              "benchmarks/user_step.py, a plain script written from docs/dmuon.md, against bench_step.py in the same "
+              "run: each setup's step over the AdamW step of its layout, the median of the rounds' ratios (and their "
+              "interquartile range). They agree when the two ranges overlap. The floor ratio is bench_step's floor "
+              "over the same AdamW step; the user's step over it is its distance from the floor.", "",
+              "| machine | W ranks | setup | AdamW peer | user's script | bench_step | agree | floor / peer | "
+              "user's step / floor |", "|---|---|---|---|---|---|---|---|---|", *agreement, ""]
+    return "\n".join(lines)
 
 
 def communication_rows() -> list[str]:
@@ -249,7 +295,7 @@ def main(argv=None) -> None:
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, training_step_rows,
-                                        order_check_rows, communication_rows, memory_rows]
+                                        communication_rows, memory_rows]
     if torch.cuda.is_available():
         sections.append(gpu_rows)
     rows = []
@@ -269,6 +315,8 @@ def main(argv=None) -> None:
         "",
         HEADER,
         *rows,
+        "",
+        *SECTIONS,
     ])
     args.out.write_text(table + "\n")
     print(table)

@@ -500,11 +500,29 @@ def test_imbalance_is_max_over_mean_cost():
     assert dmuon.imbalance({"a": 0, "b": 1}, {"a": (2, 2), "b": (4, 2)}, 2) == pytest.approx(4 / 3)
 
 
+def _layer_owner_pairs(owners):
+    return {(name.split(".")[1], rank) for name, rank in owners.items()}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_plan_spreads_a_layers_matrices_over_owners(world_size):
+def test_plan_keeps_each_layer_on_one_owner_where_whole_layers_balance(world_size):
+    # 12 equal layers split evenly over 2 and 4 ranks: each (layer, owner) pair is a broadcast per pass and a
+    # reduce per window, so a layer on one owner costs a quarter of the collectives of a layer over four
     owners = dmuon.plan_owners(gpt2_small_shapes(), world_size)
-    for layer in range(12):
-        assert len({r for n, r in owners.items() if n.startswith(f"h.{layer}.")}) == min(4, world_size)
+    assert len(_layer_owner_pairs(owners)) == 12, owners
+    assert dmuon.imbalance(owners, gpt2_small_shapes(), world_size) == 1.0
+
+
+def test_plan_places_matrix_by_matrix_where_whole_layers_would_unbalance_the_work():
+    # 12 equal layers over 8 ranks: whole, the most loaded rank would hold 2 layers against a mean of 1.5;
+    # matrix by matrix the work splits evenly (1.00), and among equally loaded ranks a matrix joins the rank
+    # that holds its layer: 24 (layer, owner) pairs, where 48 would be one pair per matrix
+    owners = dmuon.plan_owners(gpt2_small_shapes(), 8)
+    assert dmuon.imbalance(owners, gpt2_small_shapes(), 8) == pytest.approx(1.0)
+    assert len(_layer_owner_pairs(owners)) == 24, owners
+    # 3 equal layers of 2 equal matrices over 2 ranks: whole layers would be 2 against 1
+    three = {f"layers.{i}.{m}.weight": (64, 32) for i in range(3) for m in ("up_proj", "down_proj")}
+    assert list(dmuon.plan_owners(three, 2).values()) == [0, 1, 0, 1, 0, 1]
 
 
 def test_plan_weighs_ns_cost_not_size():

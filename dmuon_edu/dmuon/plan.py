@@ -1,13 +1,18 @@
-"""Who owns which matrix: greedy load balancing by Newton-Schulz cost.
+"""Who owns which matrix: greedy load balancing by Newton-Schulz cost, whole layers where they balance.
 
 Newton-Schulz on an (m, n) matrix costs about max(m, n) * min(m, n)^2 multiply-adds
 per step (the products run in the smaller dimension), so that, not the number of
-entries, is what the owners must share evenly. The plan is the classic greedy
-"longest processing time first" rule: take the matrices from the most to the least
-expensive and give each to the rank with the least work so far. Among equally loaded
-ranks, prefer the one holding the fewest matrices of the same layer, so that one
-layer's matrices are spread over different owners (their broadcasts and Newton-Schulz
-work then run in parallel). The plan depends on names and shapes only: every rank
+entries, is what the owners must share evenly. The rule is the classic greedy
+"longest processing time first": take the items from the most to the least expensive
+and give each to the rank with the least work so far.
+
+Each (layer, owner) pair costs collectives, whatever its bytes: one broadcast per
+forward (and per backward in Z3) and one reduce per window, each paying a collective's
+fixed cost. So whole layers go to owners (largest first, each to the least loaded
+rank) whenever that balances the work at least as well as placing matrix by matrix,
+as it does when equal layers divide evenly over the ranks. Otherwise each matrix is
+placed on its own, and among equally loaded ranks it goes to the one that already
+holds most of its layer. The plan depends on names and shapes only: every rank
 computes the same plan without communicating.
 """
 
@@ -53,18 +58,42 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
     """
     _require_world_size(world_size)
     _require_shapes(shapes)
+    by_matrix = _greedy(shapes, world_size, [0] * world_size, {}, list(shapes))
+    by_layer = _whole_layers(shapes, world_size)
+    if imbalance(by_layer, shapes, world_size) <= imbalance(by_matrix, shapes, world_size) * (1 + 1e-9):
+        return {name: by_layer[name] for name in shapes}
+    return {name: by_matrix[name] for name in shapes}
 
-    load = [0] * world_size
-    per_layer: dict[str, Counter] = defaultdict(Counter)
-    owner: dict[str, int] = {}
+
+def _whole_layers(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[str, int]:
+    """Each layer whole, from the most to the least expensive, to the least loaded rank."""
+    layers: dict[str, list[str]] = defaultdict(list)
+    for name in shapes:
+        layers[layer_of(name)].append(name)
+    cost = {layer: sum(ns_cost(shapes[name]) for name in names) for layer, names in layers.items()}
+    load, owner = [0] * world_size, {}
+    for layer in sorted(layers, key=lambda layer: -cost[layer]):  # stable: equal layers in model order
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner.update(dict.fromkeys(layers[layer], rank))
+        load[rank] += cost[layer]
+    return owner
+
+
+def _greedy(shapes: Mapping[str, Sequence[int]], world_size: int, load: list[int], owner: dict[str, int],
+            names: list[str]) -> dict[str, int]:
+    """Add ``names`` to the plan ``owner`` (whose work per rank is ``load``), most expensive first, each to the least
+    loaded rank; among equally loaded ranks, the one holding most matrices of its layer."""
+    held: dict[str, Counter] = defaultdict(Counter)
+    for name, rank in owner.items():
+        held[layer_of(name)][rank] += 1
     # sorted() is stable: matrices of equal cost keep the caller's order.
-    for name in sorted(shapes, key=lambda name: -ns_cost(shapes[name])):
+    for name in sorted(names, key=lambda name: -ns_cost(shapes[name])):
         layer = layer_of(name)
-        rank = min(range(world_size), key=lambda r: (load[r], per_layer[layer][r], r))
+        rank = min(range(world_size), key=lambda r: (load[r], -held[layer][r], r))
         owner[name] = rank
         load[rank] += ns_cost(shapes[name])
-        per_layer[layer][rank] += 1
-    return {name: owner[name] for name in shapes}
+        held[layer][rank] += 1
+    return owner
 
 
 def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], world_size: int) -> float:
