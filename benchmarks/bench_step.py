@@ -15,8 +15,8 @@ DDP's no_sync).
 - DDP + AdamW: DDP and AdamW on everything;
 - dmuon DDP backend: dedicate_params_ddp and replicate, every rank holding the whole
   model; each matrix reduced to its owner, stepped there, broadcast after the step;
-- on 2 ranks, dmuon Z3, no prefetch: Z3 with ``forward_prefetch_depth=0`` (each broadcast
-  issued at its own layer, where it is waited for at once); and, natively, torchtitan's
+- on 2 ranks, natively, dmuon Z3, no prefetch: Z3 with ``forward_prefetch_depth=0`` (each
+  broadcast issued at its own layer, where it is waited for at once); and torchtitan's
   recipe under Z3, each block in a checkpoint_wrapper, eager and torch.compile'd
   (inductor).
 
@@ -31,7 +31,7 @@ TP group get the same batch):
   everything (torch's DDP turns the TP DTensors into local shards);
 - FSDP2 + TP + whole-matrix Muon, DDP + TP + whole-matrix Muon: the same layouts with the
   naive TP Muon (tp_setups.WholeMatrixMuon): every rank gathers each matrix's whole
-  gradient and runs Newton-Schulz on it;
+  gradient and runs Newton-Schulz on it (natively only);
 - dmuon Z3 + TP: dedicate_params and fully_shard on the DP axis; dmuon DDP backend + TP:
   dedicate_params_ddp_tp and replicate_tp. Each TP-sharded matrix's TP owner gathers it,
   runs Newton-Schulz once, and scatters the update (dmuon_edu/dmuon/tp.py).
@@ -78,13 +78,16 @@ from machine import emulation
 from phases import PHASES, Phases, instrument
 
 MICRO_BATCHES, BATCH, TOKENS = 4, 8, 64
-ROUNDS = {2: 8, 4: 6}  # per world size: a 4-rank step takes twice as long on 2 cores
+# Rounds per world size: a 4-rank step takes twice as long on 2 cores and moves more between rounds (the rounds'
+# interquartile range of a ratio spans 3 to 8% there, 2 to 5% on 2 ranks); make bench's 15 minutes bound both.
+ROUNDS = {2: 8, 4: 8}
 SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "DDP + AdamW", "dmuon DDP backend"]
-# Prefetching is a schedule on a CPU (its time is a GPU's, docs/gpu.md): shown on 2 ranks only.
+# Prefetching is a schedule on a CPU (its time is a GPU's, docs/gpu.md): shown on 2 ranks, natively.
 PREFETCH_SETUPS = ["dmuon Z3, no prefetch"]
 # On (dp, tp) = (W / 2, 2) (tp_setups.py): each dmuon TP backend beside its layout's AdamW and whole-matrix Muon.
-TP_SETUPS = ["FSDP2 + TP + AdamW", "FSDP2 + TP + whole-matrix Muon", "dmuon Z3 + TP", "DDP + TP + AdamW",
-             "DDP + TP + whole-matrix Muon", "dmuon DDP backend + TP"]
+TP_SETUPS = ["FSDP2 + TP + AdamW", "dmuon Z3 + TP", "DDP + TP + AdamW", "dmuon DDP backend + TP"]
+# The naive TP peers, natively only: make bench's 15 minutes leave no room for them twice.
+WHOLE_MATRIX_SETUPS = ["FSDP2 + TP + whole-matrix Muon", "DDP + TP + whole-matrix Muon"]
 TP_WORLD_SIZES = (4,)
 # torchtitan's recipe on 2 ranks, natively (inductor's kernels ignore the emulation's variables): each block in a
 # checkpoint_wrapper, then torch.compile'd (inductor, the default), then dmuon; against the same blocks eager.
@@ -138,8 +141,10 @@ def worker():
         if with_tp:
             mesh2d = init_device_mesh(ranks.device.type, (ranks.world_size // tp_setups.TP, tp_setups.TP),
                                       mesh_dim_names=("dp", "tp"))
-        with_compile = ranks.world_size in COMPILE_WORLD_SIZES and not emulation()
-        setups = (SETUPS + (PREFETCH_SETUPS if ranks.world_size == 2 else []) + (TP_SETUPS if with_tp else [])
+        with_compile = ranks.world_size in COMPILE_WORLD_SIZES and not emulation()  # inductor ignores the emulation
+        natively = not emulation()
+        setups = (SETUPS + (PREFETCH_SETUPS if ranks.world_size == 2 and natively else [])
+                  + (TP_SETUPS if with_tp else []) + (WHOLE_MATRIX_SETUPS if with_tp and natively else [])
                   + (COMPILE_SETUPS if with_compile else []))
         rounds = ROUNDS.get(ranks.world_size, 6)
         config = GPTConfig(vocab_size=256, block_size=TOKENS, n_layer=4, n_head=4, d_model=256)

@@ -156,7 +156,7 @@ def training_step_rows() -> list[str]:
                                     f"{c[bench_step.COLUMNS[7]]} + {c[bench_step.COLUMNS[8]]}",
                                     float(c["step / floor"])))
             naive = {ours: (peer, cells[ours]["step (ms)"], cells[peer]["step (ms)"])
-                     for ours, peer in bench_step.PEERS.items() if ours in cells}
+                     for ours, peer in bench_step.PEERS.items() if ours in cells and peer in cells}
             naive.update({ours: (peer, user[ours][2], user[peer][2]) for ours, peer in USER_PEERS.items()})
             for ours, (peer, mine, theirs) in naive.items():
                 rows.append(row(f"training step, {ours}, {where(ours)}: against {peer}", f"{mine} ms",
