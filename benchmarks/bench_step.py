@@ -37,7 +37,9 @@ TP group get the same batch):
   runs Newton-Schulz once, and scatters the update (dmuon_edu/dmuon/tp.py).
 
 Each round runs one step of every setup, in an order rotated by one at each round;
-fresh random tokens at every step. Per setup: the median step (the slowest rank's), its
+fresh random tokens at every step. A step ends when every rank is done with it, its
+communication included (the DDP backend's post-step broadcast, which the next forward
+would otherwise wait for). Per setup: the median step, its
 ratio to the AdamW step of its own layout (the median of the rounds' ratios, with their
 interquartile range), and where the time goes (phases.py: forward, backward, the waits
 for dmuon's reduces and broadcasts, the step's all-reduce, Muon's local steps, the TP
@@ -232,9 +234,13 @@ def worker():
                 phases.reset()
                 start = time.perf_counter()
                 train_step(name)
-                slowest = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times[name].append(slowest.item())
+                # The step ends when every rank is done with it, its communication included: the post-step
+                # broadcast of the DDP backend (on the DP axis's group under TP: the barrier would not wait for it),
+                # then the barrier, which waits for the slowest rank.
+                if name.startswith("dmuon"):
+                    runs[name][0]._dmuon.wait_published()
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
                 spent[name].append(dict(phases.spent))
 
         # The collectives that AdamW does not need, each alone on the same ranks.
@@ -303,7 +309,7 @@ def main():
     from machine import describe
 
     print(f"{describe()}\nThe course's small GPT (d 256, 4 layers), {MICRO_BATCHES} micro-batches of {BATCH} x {TOKENS} "
-          f"tokens per rank; medians of {ROUNDS} rounds (by world size), slowest rank\n")
+          f"tokens per rank; medians of {ROUNDS} rounds (by world size), each step until every rank is done\n")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     for nproc in (2, 4):

@@ -8,7 +8,9 @@ first N-1 micro-batches under the layout's no_sync, then the optimizer step). Th
 the course's small GPT (d 256, 4 layers, vocab 256), N = 4 micro-batches of 8 x 64 fresh
 random tokens per rank at every step. Every setup is built once and warmed up; then each
 round runs one step of every setup, in an order rotated by one at each round, so that a
-drift of the machine falls on all alike. A step's time is the slowest rank's. The script
+drift of the machine falls on all alike. A step ends when every rank is done with it, its
+communication included (a barrier: it waits for the collectives still in flight, such as
+the DDP backend's post-step broadcast, which the next step's forward would wait for). The script
 prints, per setup, the median step and the interquartile range of its ratio to its AdamW
 peer, round by round (benchmarks/run_all.py compares these with bench_step.py's).
 """
@@ -96,9 +98,10 @@ def main():
                 dist.barrier()
                 start = time.perf_counter()
                 train_step(*runs[name], tokens)
-                slowest = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                seconds[name].append(slowest.item())
+                # The step ends when every rank is done with it, its communication included: the barrier waits
+                # for the collectives still in flight (the DDP backend's post-step broadcast) and the slowest rank.
+                dist.barrier()
+                seconds[name].append(time.perf_counter() - start)
         for name in SETUPS:
             step = statistics.median(seconds[name])
             peer = PEER.get(name)
