@@ -286,5 +286,9 @@ def test_dmuon_runs_follow_single_process_muon_and_send_what_module_6_predicts(t
     for mode in ("Z2", "Z3"):  # inside no_sync every rank accumulates the gradient of every dedicated matrix
         assert results[mode]["matrix_gradient_bytes_during_forward_per_rank"] == [p_m, p_m], mode
     assert all(b < p_m for b in results["Z3 without no_sync"]["matrix_gradient_bytes_during_forward_per_rank"])
-    assert all(b < p_m for b in results["Z3"]["matrix_bytes_during_forward_per_rank"])
+    # Z3 holds its own matrices, and while a layer runs that layer's (its equal layers are owned whole, one per
+    # rank here): at most P_M / W + P_M / L, where Z2 holds P_M through the window
+    layers, world = Capstone().n_layer, len(results["Z3"]["held_bytes_per_rank"])
+    assert all(b <= p_m // world + p_m // layers for b in results["Z3"]["matrix_bytes_during_forward_per_rank"])
+    assert min(results["Z3"]["matrix_bytes_during_forward_per_rank"]) >= p_m // world  # its own, at least
     assert results["Z3 without no_sync"]["comm_per_step"]["reduce"][1] == k * p_m

@@ -58,7 +58,7 @@ def plan_owners(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[st
     """
     _require_world_size(world_size)
     _require_shapes(shapes)
-    by_matrix = _greedy(shapes, world_size, [0] * world_size, {}, list(shapes))
+    by_matrix = _matrix_by_matrix(shapes, world_size)
     by_layer = _whole_layers(shapes, world_size)
     if imbalance(by_layer, shapes, world_size) <= imbalance(by_matrix, shapes, world_size) * (1 + 1e-9):
         return {name: by_layer[name] for name in shapes}
@@ -79,15 +79,13 @@ def _whole_layers(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[
     return owner
 
 
-def _greedy(shapes: Mapping[str, Sequence[int]], world_size: int, load: list[int], owner: dict[str, int],
-            names: list[str]) -> dict[str, int]:
-    """Add ``names`` to the plan ``owner`` (whose work per rank is ``load``), most expensive first, each to the least
-    loaded rank; among equally loaded ranks, the one holding most matrices of its layer."""
+def _matrix_by_matrix(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[str, int]:
+    """Each matrix, from the most to the least expensive, to the least loaded rank; among equally loaded ranks, the
+    one holding most matrices of its layer."""
+    load, owner = [0] * world_size, {}
     held: dict[str, Counter] = defaultdict(Counter)
-    for name, rank in owner.items():
-        held[layer_of(name)][rank] += 1
     # sorted() is stable: matrices of equal cost keep the caller's order.
-    for name in sorted(names, key=lambda name: -ns_cost(shapes[name])):
+    for name in sorted(shapes, key=lambda name: -ns_cost(shapes[name])):
         layer = layer_of(name)
         rank = min(range(world_size), key=lambda r: (load[r], -held[layer][r], r))
         owner[name] = rank
