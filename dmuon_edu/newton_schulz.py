@@ -89,6 +89,7 @@ from .arguments import require_real
 
 __all__ = [
     "newton_schulz",
+    "ns_flops",
     "fast_dtype",
     "cpu_bf16_flags",
     "check_ns_dtype",
@@ -325,6 +326,38 @@ def newton_schulz(
     in_place = overwrite_input or batch is not G  # a stacked copy is ours to overwrite
     O = _iterate(_normalise(batch, eps, dtype, batch if in_place else torch.empty_like(batch)), per_step, gram_space)
     return O if isinstance(G, torch.Tensor) else list(O)
+
+
+def ns_flops(shape: Sequence[int], steps: int = 5, gram_space: bool = True) -> int:
+    """The floating-point operations of :func:`newton_schulz` on one matrix of ``shape``, as it runs.
+
+    With m <= n (a tall matrix is transposed), a direct step costs 4 m^2 n + 2 m^3 (X X^T,
+    then A^2, then B X) and a pair of steps in Gram space 4 m^2 n + 10 m^3; the steps are
+    taken as :func:`newton_schulz` takes them (pairs in Gram space where the shape makes
+    them pay, the last step direct). The normalisation and the additions are left out:
+    they are O(m n) against the products' O(m^2 n).
+
+    Args:
+        shape: (m, n), two ints >= 0.
+        steps: Newton-Schulz steps, as for :func:`newton_schulz`.
+        gram_space: as for :func:`newton_schulz` (False: every step direct).
+
+    Returns:
+        The flops (a multiply-add counts 2).
+
+    Raises:
+        ValueError: ``shape`` is not two ints >= 0, or ``steps`` is out of range.
+    """
+    if (isinstance(shape, str) or not isinstance(shape, Sequence) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ValueError(f"shape must be (m, n), two ints >= 0, such as tuple(p.shape); got {shape!r}")
+    check_ns_steps(steps, "steps")
+    m, n = sorted(shape)
+    direct, pair = 4 * m * m * n + 2 * m**3, 4 * m * m * n + 10 * m**3
+    if gram_space and m >= GRAM_SPACE_MIN_ROWS and n >= GRAM_SPACE_MIN_ASPECT * m:
+        pairs = (steps - 1) // 2  # as _iterate: pairs while three or more steps remain
+        return pairs * pair + (steps - 2 * pairs) * direct
+    return steps * direct
 
 
 def check_ns_steps(steps, name: str) -> None:

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.torchrun
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.dmuon import fsdp_exclusion
+from dmuon_edu.newton_schulz import ns_flops
 from dmuon_edu.course import cost_model
 from dmuon_edu.course.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
@@ -229,6 +230,38 @@ def test_tensor_parallel_communicates_as_planned(checks, mode):
         assert all(counted[op] == model.counted[op] for counted in c["per_rank"]), (op, model, c)
     for op in ("gather", "scatter"):
         assert sum(counted[op] for counted in c["per_rank"]) / len(c["per_rank"]) == model.counted[op], (op, model, c)
+
+
+# The time model (dmuon_edu/dmuon/step_time.py) prices the collectives it plans from names and shapes alone; they
+# must be the ones that run. Per layout and rank, one step (3 micro-batches, no_sync): count_comm's calls and bytes of
+# every collective (the clip's own all-reduces taken out: the training loop's, not the layout's) equal the plan's.
+TIME_MODEL_RECORDS = {2: ["comm_z3_no_sync", "comm_z2_no_sync", "ddp_no_sync"],
+                      4: ["comm_z3_no_sync", "comm_z2_no_sync", "comm_z3_no_sync_hsdp", "comm_z2_no_sync_hsdp",
+                          "comm_z3_no_sync_tp", "comm_z2_no_sync_tp", "ddp_tp"]}
+
+
+def test_time_model_plans_the_collectives_that_run(checks):
+    if checks["nproc"] not in TIME_MODEL_RECORDS:
+        pytest.skip("the time model's plan is compared on 2 and 4 CPU ranks")
+    for name in TIME_MODEL_RECORDS[checks["nproc"]]:
+        c = checks[name]
+        for rank, predicted in enumerate(c["time_model"]):
+            assert predicted["counted"] == predicted["planned"], (name, rank, predicted)
+            assert predicted["planned"], (name, rank)  # a step communicates
+        # and summarize_comm_plan's totals, this rank's, for dmuon's own collectives of one pass
+        for rank, (predicted, plan) in enumerate(zip(c["time_model"], c["plan"])):
+            if name.startswith("comm_"):
+                passes = 2 * c["k"] if c["zero3"] else 1
+                assert predicted["planned"]["broadcast"][1] == (passes * plan["broadcast_tensor_bytes"]
+                                                                + plan["post_step_replicate_broadcast_tensor_bytes_this_rank"]), (name, rank)
+                assert predicted["planned"]["reduce"][1] == (plan["stage1_shard_reduce_tensor_bytes"]
+                                                             + plan["stage2_replicate_reduce_tensor_bytes_this_rank"]), (name, rank)
+            else:  # the DDP backend: a reduce per window, a broadcast after the step
+                assert predicted["planned"]["broadcast"][1] == plan["broadcast"], (name, rank)
+                assert predicted["planned"]["reduce"][1] == plan["reduce"], (name, rank)
+            for op in ("gather", "scatter"):  # the TP gathers and scatters, where the layout has them
+                planned_tp = plan.get(f"tp_{op}_tensor_bytes_this_rank", plan.get(op, 0))
+                assert predicted["planned"].get(op, [0, 0])[1] == planned_tp, (name, rank)
 
 
 def test_tensor_parallel_resumes_bit_identically(checks):
@@ -482,22 +515,22 @@ def gpt2_small_shapes():
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_plan_balances_gpt2_small_by_ns_cost(world_size):
+def test_plan_balances_gpt2_small_by_newton_schulz_flops(world_size):
     shapes = gpt2_small_shapes()
     owners = dmuon.plan_owners(shapes, world_size)
     assert list(owners) == list(shapes) and set(owners.values()) == set(range(world_size))
     load = [0] * world_size
     for name, rank in owners.items():
-        m, n = shapes[name]
-        load[rank] += max(m, n) * min(m, n) ** 2  # Newton-Schulz flops, up to a constant
-    # 48 matrices in 4 cost classes split exactly over 2, 4 and 8 ranks (1.000 measured);
-    # 2% is room for a tie broken another way, not for a plan that ignores cost.
-    assert max(load) / (sum(load) / world_size) <= 1.02
+        load[rank] += ns_flops(shapes[name])  # tests/test_step_time.py counts them against the products run
+    # 12 equal layers split exactly over 2 and 4 ranks (1.000); over 8, 1.5 layers a rank, no subset of a
+    # layer's 4 matrices makes half of its flops, and greedy placement lands at 1.041: 5% is that and room for a
+    # tie broken another way. (That it weighs flops, not entries: test_plan_weighs_newton_schulz_time_not_size.)
+    assert max(load) / (sum(load) / world_size) <= 1.05
 
 
-def test_imbalance_is_max_over_mean_cost():
-    # costs 2 * 2^2 = 8 and 4 * 2^2 = 16 on two ranks: max 16 over mean 12
-    assert dmuon.imbalance({"a": 0, "b": 1}, {"a": (2, 2), "b": (4, 2)}, 2) == pytest.approx(4 / 3)
+def test_imbalance_is_max_over_mean_time():
+    # Newton-Schulz flops 5 (4 m^2 n + 2 m^3) with m = 2: 240 for (2, 2), 400 for (4, 2); max 400 over mean 320
+    assert dmuon.imbalance({"a": 0, "b": 1}, {"a": (2, 2), "b": (4, 2)}, 2) == pytest.approx(1.25)
 
 
 def _layer_owner_pairs(owners):
@@ -514,21 +547,20 @@ def test_plan_keeps_each_layer_on_one_owner_where_whole_layers_balance(world_siz
 
 
 def test_plan_places_matrix_by_matrix_where_whole_layers_would_unbalance_the_work():
-    # 12 equal layers over 8 ranks: whole, the most loaded rank would hold 2 layers against a mean of 1.5;
-    # matrix by matrix the work splits evenly (1.00), and among equally loaded ranks a matrix joins the rank
+    # 12 equal layers over 8 ranks: whole, the most loaded rank would hold 2 layers against a mean of 1.5 (1.33);
+    # matrix by matrix the work splits within 5% (1.041), and among equally loaded ranks a matrix joins the rank
     # that holds its layer: 24 (layer, owner) pairs, where 48 would be one pair per matrix
     owners = dmuon.plan_owners(gpt2_small_shapes(), 8)
-    assert dmuon.imbalance(owners, gpt2_small_shapes(), 8) == pytest.approx(1.0)
+    assert dmuon.imbalance(owners, gpt2_small_shapes(), 8) <= 1.05
     assert len(_layer_owner_pairs(owners)) == 24, owners
     # 3 equal layers of 2 equal matrices over 2 ranks: whole layers would be 2 against 1
     three = {f"layers.{i}.{m}.weight": (64, 32) for i in range(3) for m in ("up_proj", "down_proj")}
     assert list(dmuon.plan_owners(three, 2).values()) == [0, 1, 0, 1, 0, 1]
 
 
-def test_plan_weighs_ns_cost_not_size():
-    # Every matrix has 2^20 entries, but Newton-Schulz costs max(m, n) min(m, n)^2: 1024^3 for
-    # "big", a quarter of that for each 256 x 4096. By cost, "big" alone balances the other four;
-    # by size it would share a rank with one or more of them.
+def test_plan_weighs_newton_schulz_time_not_size():
+    # Every matrix has 2^20 entries, but Newton-Schulz on "big" takes 30 2^30 flops, on each 256 x 4096 (Gram-space
+    # pairs) 3.3 2^30. By time, "big" alone outweighs the other four; by size it would share a rank with two.
     shapes = {"big": (1024, 1024), "a": (256, 4096), "b": (256, 4096), "c": (4096, 256), "d": (4096, 256)}
     owners = dmuon.plan_owners(shapes, 2)
     assert owners["big"] != owners["a"] and len({owners[n] for n in "abcd"}) == 1

@@ -9,7 +9,7 @@ r"""dmuon: distributed Muon for FSDP2, with dedicated owner ranks, no_sync and Z
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 Who owns what. Each matrix the predicate selects (a *dedicated* parameter) has one
-owner rank, planned by Newton-Schulz cost (plan.py). The owner keeps the full matrix,
+owner rank, planned by Newton-Schulz time (plan.py). The owner keeps the full matrix,
 its momentum, and receives its averaged gradient; between optimizer steps no other
 rank holds any storage for it. Every other parameter is *symmetric*: fully_shard
 shards it, AdamW steps the shards. fully_shard leaves dedicated matrices alone, even
@@ -76,7 +76,9 @@ placeholders), order.py (the same collectives on every rank), boundary.py (hook
 boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
 residency and gradient hooks, no_sync, ownership), ddp.py (dedicate_params_ddp, replicate, and their TP forms), clip.py (clip_grad_norm_),
 ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
-diagnostics.py (summaries of the plan and the groups).
+diagnostics.py (summaries of the plan and the groups), hardware.py (the machine: collective
+costs, matmul rates, calibrate(), GPU presets), step_time.py (a step's predicted seconds,
+phase by phase, from the plan and the hardware; ``python -m dmuon_edu.dmuon`` prints one).
 """
 
 from dmuon_edu.distributed import count_collectives as count_comm
@@ -85,10 +87,12 @@ from .clip import MuonGradClipStats, clip_grad_norm_
 from .ddp import dedicate_params_ddp, dedicate_params_ddp_tp, replicate, replicate_tp
 from .dedicate import dedicate_params, held_bytes, in_flight_bytes, no_sync, ownership
 from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
+from .hardware import HARDWARE, Hardware, LinkCost, calibrate
 from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
 from .optim import Muon
 from .plan import imbalance, plan_owners
 from .policy import DMuonParamPolicy
+from .step_time import LAYOUTS, MODELS, Layout, StepTime, Workload, planned_collectives, predict_step, transformer
 from .state import (
     StateDictOptions,
     get_model_state_dict,
@@ -125,4 +129,16 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "StateDictOptions",
+    "Workload",
+    "Layout",
+    "LAYOUTS",
+    "MODELS",
+    "transformer",
+    "predict_step",
+    "planned_collectives",
+    "StepTime",
+    "Hardware",
+    "LinkCost",
+    "HARDWARE",
+    "calibrate",
 ]

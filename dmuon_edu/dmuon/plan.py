@@ -1,8 +1,15 @@
-"""Who owns which matrix: greedy load balancing by Newton-Schulz cost, whole layers where they balance.
+"""Who owns which matrix: greedy load balancing by Newton-Schulz time, whole layers where they balance.
 
-Newton-Schulz on an (m, n) matrix costs about max(m, n) * min(m, n)^2 multiply-adds
-per step (the products run in the smaller dimension), so that, not the number of
-entries, is what the owners must share evenly. The rule is the classic greedy
+What the owners must share evenly is the time of their Newton-Schulz calls, not the
+number of entries: the step waits for the slowest owner. The time model
+(step_time.py) predicts a matrix's Newton-Schulz time as its flops, as
+dmuon_edu.newton_schulz.ns_flops counts them for the steps it takes (4 m^2 n + 2 m^3 per
+direct step with m <= n, Gram-space pairs for wide matrices), over one matmul rate: on
+one kind of device the rate is common to every matrix, so balancing flops balances the
+predicted time, and the plan does not depend on a calibration that differs from rank to
+rank. (4096, 4096) costs 2.4x the flops of (65536, 1024), though both have the same
+max(m, n) min(m, n)^2: the square matrix pays the m^3 terms and cannot take Gram-space pairs.
+The rule is the classic greedy
 "longest processing time first": take the items from the most to the least expensive
 and give each to the rank with the least work so far.
 
@@ -21,13 +28,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
-__all__ = ["plan_owners", "ns_cost", "layer_of", "imbalance"]
+from dmuon_edu.newton_schulz import ns_flops
 
-
-def ns_cost(shape: Sequence[int]) -> int:
-    """Newton-Schulz cost of one matrix, max(m, n) * min(m, n)^2 (multiply-adds per step, up to a constant)."""
-    m, n = shape
-    return max(m, n) * min(m, n) ** 2
+__all__ = ["plan_owners", "layer_of", "imbalance"]
 
 
 def layer_of(name: str) -> str:
@@ -70,7 +73,7 @@ def _whole_layers(shapes: Mapping[str, Sequence[int]], world_size: int) -> dict[
     layers: dict[str, list[str]] = defaultdict(list)
     for name in shapes:
         layers[layer_of(name)].append(name)
-    cost = {layer: sum(ns_cost(shapes[name]) for name in names) for layer, names in layers.items()}
+    cost = {layer: sum(ns_flops(shapes[name]) for name in names) for layer, names in layers.items()}
     load, owner = [0] * world_size, {}
     for layer in sorted(layers, key=lambda layer: -cost[layer]):  # stable: equal layers in model order
         rank = min(range(world_size), key=lambda r: (load[r], r))
@@ -85,17 +88,17 @@ def _matrix_by_matrix(shapes: Mapping[str, Sequence[int]], world_size: int) -> d
     load, owner = [0] * world_size, {}
     held: dict[str, Counter] = defaultdict(Counter)
     # sorted() is stable: matrices of equal cost keep the caller's order.
-    for name in sorted(shapes, key=lambda name: -ns_cost(shapes[name])):
+    for name in sorted(shapes, key=lambda name: -ns_flops(shapes[name])):
         layer = layer_of(name)
         rank = min(range(world_size), key=lambda r: (load[r], -held[layer][r], r))
         owner[name] = rank
-        load[rank] += ns_cost(shapes[name])
+        load[rank] += ns_flops(shapes[name])
         held[layer][rank] += 1
     return owner
 
 
 def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], world_size: int) -> float:
-    """How uneven a plan is: max over mean of the Newton-Schulz work per rank.
+    """How uneven a plan is: max over mean of the predicted Newton-Schulz time per rank (its flops at one rate).
 
     Returns:
         A float >= 1.0; 1.0 is a perfect balance (and so is no work at all).
@@ -117,7 +120,7 @@ def imbalance(owners: Mapping[str, int], shapes: Mapping[str, Sequence[int]], wo
             raise TypeError(f"the owner of {name} must be an int rank, got {rank!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"{name} is owned by rank {rank}, outside 0..{world_size - 1}: pass the world size the plan was made for")
-        load[rank] += ns_cost(shapes[name])
+        load[rank] += ns_flops(shapes[name])
     return max(load) / (sum(load) / world_size) if sum(load) else 1.0
 
 

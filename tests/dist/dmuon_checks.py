@@ -314,10 +314,12 @@ def schedule(step):
     return 1.0 / (1.0 + step)
 
 
-def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp=False, clip_log=None):
+def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp=False, clip_log=None,
+                 clip_counter=None):
     """One optimizer step over this rank's micro-batches (the forward under bf16 autocast with ``autocast``);
     the global gradient norm before clipping. With ``clip_log`` (a list) it appends the statistics of
-    opt.clip_grad_norm_(None) (the Muon gradients, measured only) and of the model's clip."""
+    opt.clip_grad_norm_(None) (the Muon gradients, measured only) and of the model's clip; ``clip_counter`` (a
+    count_comm) counts the clip's own collectives."""
     _, world = data_coordinates(tp)
     for j, (x, y) in enumerate(mine):
         ctx = dmuon.no_sync(model) if use_no_sync and j < K - 1 else contextlib.nullcontext()
@@ -327,7 +329,8 @@ def train_window(model, opt, sched, mine, total, use_no_sync, autocast=False, tp
             loss = F.mse_loss(out.float(), y, reduction="sum") * world / (total * OUT)
             loss.backward()
     measured = opt.clip_grad_norm_(None) if clip_log is not None else None
-    norm = dmuon.clip_grad_norm_(model, MAX_NORM)
+    with clip_counter or contextlib.nullcontext():
+        norm = dmuon.clip_grad_norm_(model, MAX_NORM)
     if clip_log is not None:
         clip_log.append((measured, norm))
     opt.step()
@@ -375,14 +378,21 @@ def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, 
 
     max_diff, max_norm_rel, clipped, comm, storage = 0.0, 0.0, 0, None, []
     p_m = dedicated_bytes(ref)
+    clip_counter = dmuon.count_comm()
     for step in range(STEPS):
         mine, (x, y), total = window(step, rank, world)
         counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
         with counter:
-            norm = train_window(model, opt, sched, mine, total, use_no_sync, tp=tp)
+            norm = train_window(model, opt, sched, mine, total, use_no_sync, tp=tp,
+                                clip_counter=clip_counter if step == 1 else None)
         if step == 1:
             comm = {**{name: counter.bytes.get(name, 0) for name in ("broadcast", "reduce", "gather", "scatter")},
                     "broadcast_calls": counter.calls.get("broadcast", 0), "reduce_calls": counter.calls.get("reduce", 0)}
+            layout = dmuon.Layout("fsdp2", "dmuon", reshard_after_forward=zero3, replicas=2 if hsdp else 1,
+                                  tp=2 if tp else 1)
+            # the time model plans the no_sync schedule of an untied model
+            predicted = (time_model_counts(layout, counter, clip_counter, tp)
+                         if use_no_sync and not tied else None)
         storage.append(_storage_ok(model))
 
         F.mse_loss(ref(x), y, reduction="sum").div(total * OUT).backward()
@@ -402,7 +412,8 @@ def check_equivalence(mesh, zero3, use_no_sync, tied=False, checkpointed=False, 
            clip_norm_rel_diff=max_norm_rel, clipped_steps=int(clipped))
     comm_all = per_rank(comm)
     plan = per_rank(dmuon.summarize_comm_plan(model)["totals"])
-    report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync, plan=plan)
+    report(f"comm_{label}", k=K, dedicated_bytes=p_m, per_rank=comm_all, zero3=zero3, no_sync=use_no_sync, plan=plan,
+           time_model=per_rank(predicted))
     report(f"storage_{label}", ok_every_step_every_rank=all(all(s) for s in per_rank(storage)))
 
 
@@ -1400,13 +1411,16 @@ def check_ddp_tp(mesh):
     ref_optimizers = reference_optimizers(ref, predicate)
     ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in ref_optimizers]
     max_diff = 0.0
+    clip_counter = dmuon.count_comm()
     for step in range(STEPS):
         mine, _, total = window(step, rank, world)
         counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
         with counter:
-            train_window(model, opt, sched, mine, total, use_no_sync=True, tp=True)
+            train_window(model, opt, sched, mine, total, use_no_sync=True, tp=True,
+                         clip_counter=clip_counter if step == 1 else None)
         if step == 1:
             comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "gather", "scatter")}
+            predicted = time_model_counts(dmuon.Layout("ddp", "dmuon", tp=2), counter, clip_counter, tp=True)
         reference_step(ref, ref_optimizers, step, tp=True)
         for s in ref_scheds:
             s.step()
@@ -1439,7 +1453,7 @@ def check_ddp_tp(mesh):
         except (ValueError, RuntimeError) as error:
             refusals[what] = str(error)
     report("ddp_tp", max_abs_diff=max_diff, refusals=refusals, largest_change=moved, dedicated_bytes=dedicated_bytes(ref),
-           per_rank=per_rank(comm), plan=per_rank(plan),
+           per_rank=per_rank(comm), plan=per_rank(plan), time_model=per_rank(predicted),
            # every rank keeps its whole TP shard of every matrix (half of each)
            held_everywhere=all(per_rank(dmuon.held_bytes(model) == local_bytes == dedicated_bytes(ref) // 2)),
            max_abs_diff_after_resume=step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched),
@@ -1544,13 +1558,17 @@ def check_ddp(mesh):
                                                                                                      predicate)
         schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (opt, *ref_optimizers, *peer_optimizers)]
         max_diff = max_peer_diff = 0.0
+        clip_counter = dmuon.count_comm()
         for step in range(STEPS):
             mine, _, total = window(step, rank, world)
             counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
             with counter:
-                train_window(model, opt, schedulers[0], mine, total, use_no_sync)
+                train_window(model, opt, schedulers[0], mine, total, use_no_sync,
+                             clip_counter=clip_counter if step == 1 else None)
             if step == 1:
                 comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
+                predicted = (time_model_counts(dmuon.LAYOUTS["dmuon DDP backend"], counter, clip_counter)
+                             if use_no_sync else None)
             peer_counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
             with peer_counter:
                 replicated_muon_step(peer, peer_optimizers, mine, total, use_no_sync)
@@ -1570,7 +1588,7 @@ def check_ddp(mesh):
                largest_change=moved, k=K, dedicated_bytes=dedicated_bytes(ref), plan=plan,
                replicated_bytes=sum(p.numel() * p.element_size() for n, p in ref.named_parameters()
                                     if not predicate(n, p)),
-               per_rank=per_rank(comm), peer_per_rank=per_rank(peer_comm),
+               per_rank=per_rank(comm), peer_per_rank=per_rank(peer_comm), time_model=per_rank(predicted),
                # every rank keeps every matrix whole, and exactly one rank steps each
                held_everywhere=all(per_rank(dmuon.held_bytes(model) == dedicated_bytes(ref))),
                owners=sorted(set(dmuon.ownership(model).values())),
@@ -1701,6 +1719,27 @@ def check_ddp_tied(mesh):
     diff, moved = train_side_by_side(model, opt, ref, reference_optimizers(ref, predicate))
     report("ddp_tied", max_abs_diff=diff, largest_change=moved,
            tied_units=len(model._dmuon.units_of[model.layers[0].up_proj.weight]))
+
+
+# The TP plan of parallelize(), in the time model's words.
+TP_STYLES = {f"layers.{i}.{name}": style for i in range(LAYERS)
+             for name, style in (("q_proj", "colwise, gathered"), ("k_proj", "colwise, gathered"),
+                                 ("up_proj", "colwise"), ("down_proj", "rowwise"))}
+
+
+def time_model_counts(layout, counter, clip_counter, tp=False):
+    """One step's collectives on this rank as count_comm counted them, the clip's own all-reduces taken out (the
+    layout does not issue them), beside what the time model plans for this rank: {collective: [calls, bytes]}."""
+    counted = {name: [counter.calls[name] - clip_counter.calls.get(name, 0),
+                      counter.bytes[name] - clip_counter.bytes.get(name, 0)] for name in counter.calls}
+    workload = dmuon.Workload.from_model(Net(), predicate, tokens=1, tensor_parallel=TP_STYLES if tp else {})
+    planned = {}
+    for c in dmuon.planned_collectives(workload, layout, world_size=dist.get_world_size(), micro_batches=K,
+                                       rank=dist.get_rank()):
+        if c.counted:
+            calls, nbytes = planned.get(c.collective, [0, 0])
+            planned[c.collective] = [calls + c.calls, nbytes + c.bytes]
+    return {"counted": {k: v for k, v in counted.items() if v[0]}, "planned": planned}
 
 
 def _planned_bytes(model):
