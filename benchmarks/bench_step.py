@@ -23,6 +23,11 @@ DDP's no_sync).
 DDP + replicated Muon, the DDP backend's naive peer, is measured by user_step.py, the
 same step written as a user would write it (run_all.py runs both and compares them).
 
+On 4 ranks, HSDP as (replicate, shard) = (2, 2): fully_shard on the 2-D mesh, AdamW on
+everything (HSDP + AdamW), and dmuon Z3 on the shard axis with the replicate axis beside
+it (dmuon HSDP Z3: each holder's reduced gradients go on to the owner's replica, and the
+owner publishes the step to the other replica's holder).
+
 On 4 ranks, as (dp, tp) = (2, 2) with tp_setups.py's Megatron plan (TP first, then data
 parallelism on the DP axis, as the public tp-dp example orders them; the two ranks of a
 TP group get the same batch):
@@ -35,6 +40,11 @@ TP group get the same batch):
 - dmuon Z3 + TP: dedicate_params and fully_shard on the DP axis; dmuon DDP backend + TP:
   dedicate_params_ddp_tp and replicate_tp. Each TP-sharded matrix's TP owner gathers it,
   runs Newton-Schulz once, and scatters the update (dmuon_edu/dmuon/tp.py).
+
+Every row is also predicted by dmuon's time model (dmuon_edu/dmuon/step_time.py) from
+a calibration made at the start of the same launch (dmuon.calibrate(): each collective
+alone over message sizes, matmuls alone; never a step), with the model's and its
+phases printed beside the measurement.
 
 Each round runs one step of every setup, in an order rotated by one at each round;
 fresh random tokens at every step. A step ends when every rank is done with it, its
@@ -79,6 +89,8 @@ import tp_setups
 from machine import emulation
 from phases import PHASES, Phases, instrument
 
+from dmuon_edu.newton_schulz import fast_dtype
+
 MICRO_BATCHES, BATCH, TOKENS = 4, 8, 64
 # Rounds per world size: a 4-rank step takes twice as long on 2 cores and moves more between rounds (the rounds'
 # interquartile range of a ratio spans 3 to 8% there, 2 to 5% on 2 ranks); make bench's 15 minutes bound both.
@@ -91,13 +103,16 @@ TP_SETUPS = ["FSDP2 + TP + AdamW", "dmuon Z3 + TP", "DDP + TP + AdamW", "dmuon D
 # The naive TP peers, natively only: make bench's 15 minutes leave no room for them twice.
 WHOLE_MATRIX_SETUPS = ["FSDP2 + TP + whole-matrix Muon", "DDP + TP + whole-matrix Muon"]
 TP_WORLD_SIZES = (4,)
+# HSDP as (replicate, shard) = (2, W / 2), natively and emulated.
+HSDP_SETUPS = ["HSDP + AdamW", "dmuon HSDP Z3"]
+HSDP_WORLD_SIZES = (4,)
 # torchtitan's recipe on 2 ranks, natively (inductor's kernels ignore the emulation's variables): each block in a
 # checkpoint_wrapper, then torch.compile'd (inductor, the default), then dmuon; against the same blocks eager.
 COMPILE_SETUPS = ["dmuon Z3, checkpointed", "dmuon Z3, checkpointed + compiled"]
 COMPILE_WORLD_SIZES = (2,)
 # The AdamW step of each setup's own layout: its floor's first part, and the ratio every setup is shown at.
 ADAMW_PEER = {"dmuon Z2": "FSDP2 + AdamW", "dmuon Z3": "FSDP2 + AdamW", "dmuon Z3, no prefetch": "FSDP2 + AdamW",
-              "dmuon DDP backend": "DDP + AdamW",
+              "dmuon DDP backend": "DDP + AdamW", "dmuon HSDP Z3": "HSDP + AdamW",
               "FSDP2 + TP + whole-matrix Muon": "FSDP2 + TP + AdamW", "dmuon Z3 + TP": "FSDP2 + TP + AdamW",
               "DDP + TP + whole-matrix Muon": "DDP + TP + AdamW", "dmuon DDP backend + TP": "DDP + TP + AdamW"}
 # Each TP layout's naive peer, the ratio it must win: whole-matrix Muon on the same layout (the 1-D layouts' peer,
@@ -109,9 +124,31 @@ ISOLATED_REPEATS = 15
 
 
 def where(setup: str, world_size: int) -> str:
-    """Where a setup ran: "4 ranks", or "4 ranks as (dp, tp) = (2, 2)" for a TP setup."""
+    """Where a setup ran: "4 ranks", or "4 ranks as (dp, tp) = (2, 2)" for a TP setup (and HSDP's grid)."""
     grid = f" as (dp, tp) = ({world_size // tp_setups.TP}, {tp_setups.TP})" if "TP" in setup else ""
+    if "HSDP" in setup:
+        grid = f" as (replicate, shard) = (2, {world_size // 2})"
     return f"{world_size} ranks{grid}"
+
+
+def time_model_setup(name: str, config, world_size: int):
+    """(workload, layout) of a setup for dmuon's time model: the course GPT's shapes, 8 x 64 tokens per rank,
+    attention over 64 tokens, checkpointed blocks where the setup checkpoints (compiled or not: inductor's
+    kernels are not modelled)."""
+    from dmuon_edu import dmuon
+    from dmuon_edu.course.dmuon_problem import is_dedicated
+    from dmuon_edu.course.gpt import GPT
+    from dmuon_edu.dmuon.step_time import activation_entries_per_token, attention_flops_per_token
+
+    layout = dmuon.LAYOUTS[name.split(",")[0] if "checkpointed" in name else name]
+    workload = dmuon.Workload.from_model(
+        GPT(config), is_dedicated, tokens=BATCH * TOKENS,
+        attention_flops_per_token=attention_flops_per_token(config.n_layer, config.d_model, TOKENS),
+        activation_entries_per_token=activation_entries_per_token(config.n_layer, config.d_model, config.vocab_size),
+        nonlinearity_entries_per_token=config.n_layer * 4 * config.d_model,  # the MLP's GELU
+        tensor_parallel=tp_setups.time_model_styles(config.n_layer), attention_split=False,
+        activation_checkpointing="checkpointed" in name)
+    return workload, layout
 
 
 def isolated_seconds(collective) -> float:
@@ -138,14 +175,22 @@ def worker():
         phases.wrap(tp_setups.WholeMatrixMuon, attribute, "TP gather + scatter")
 
     with distributed.session() as ranks:
+        started = time.perf_counter()
+        hardware = dmuon.calibrate()  # this launch's ranks, before any setup: collectives alone, matmuls alone
+        calibration_seconds = time.perf_counter() - started
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         with_tp = ranks.world_size in TP_WORLD_SIZES
         if with_tp:
             mesh2d = init_device_mesh(ranks.device.type, (ranks.world_size // tp_setups.TP, tp_setups.TP),
                                       mesh_dim_names=("dp", "tp"))
+        with_hsdp = ranks.world_size in HSDP_WORLD_SIZES
+        if with_hsdp:
+            hsdp_mesh = init_device_mesh(ranks.device.type, (2, ranks.world_size // 2),
+                                         mesh_dim_names=("replicate", "shard"))
         with_compile = ranks.world_size in COMPILE_WORLD_SIZES and not emulation()  # inductor ignores the emulation
         natively = not emulation()
         setups = (SETUPS + (PREFETCH_SETUPS if ranks.world_size == 2 and natively else [])
+                  + (HSDP_SETUPS if with_hsdp else [])
                   + (TP_SETUPS if with_tp else []) + (WHOLE_MATRIX_SETUPS if with_tp and natively else [])
                   + (COMPILE_SETUPS if with_compile else []))
         rounds = ROUNDS.get(ranks.world_size, 6)
@@ -189,6 +234,12 @@ def worker():
                 else:
                     dmuon.dedicate_params_ddp(model, dp_mesh, is_dedicated)
                     dmuon.replicate(model, dp_mesh)
+            elif "HSDP" in name:  # fully_shard on the 2-D mesh; dmuon on its shard axis, the replicate axis beside
+                if name.startswith("dmuon"):
+                    dmuon.dedicate_params(model, hsdp_mesh["shard"], is_dedicated, reshard_after_forward=True,
+                                          replicate_mesh=hsdp_mesh["replicate"])
+                dp_mesh = hsdp_mesh
+                sharded(model, dp_mesh)
             elif name.startswith("dmuon"):
                 dmuon.dedicate_params(model, dp_mesh, is_dedicated, reshard_after_forward="Z3" in name)
                 sharded(model, dp_mesh)
@@ -196,7 +247,9 @@ def worker():
                 depth = 0 if "no prefetch" in name else 1
                 opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, forward_prefetch_depth=depth)
                 return model, [opt], lambda: dmuon.no_sync(model)
-            if name.startswith("FSDP2"):
+            if name.startswith("HSDP"):
+                called, no_sync = model, fsdp_no_sync(model)
+            elif name.startswith("FSDP2"):
                 called, no_sync = sharded(model, dp_mesh), fsdp_no_sync(model)
             else:  # DDP; on a TP mesh's DP axis torch turns the DTensor parameters into local shards first (and
                 # after the first forward its hooks leave the TP weights out of named_parameters: read them now)
@@ -247,7 +300,7 @@ def worker():
         flag = torch.zeros(6, dtype=torch.float64)
         alone = {"the step's all-reduce": isolated_seconds(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))}
         for name in setups:
-            if name.startswith("dmuon DDP backend"):
+            if name.startswith("dmuon DDP backend") or name.startswith("dmuon HSDP"):
                 state = runs[name][0]._dmuon
                 alone[f"{name}: post-step broadcast"] = isolated_seconds(
                     lambda state=state: (state.publish(), state.wait_published()))
@@ -283,26 +336,52 @@ def worker():
                 + " | ".join(f"{mean[phase] * 1e3:.1f}" for phase in PHASES) + " |")
         for what, seconds in alone.items():
             distributed.print0(f"ALONE | {ranks.world_size} | {what} | {seconds * 1e3:.2f} |")
+        if ranks.rank == 0:
+            print_predictions(hardware, calibration_seconds, config, ranks.world_size,
+                              setups + ["DDP + replicated Muon"])  # user_step.py's naive peer
+
+
+def print_predictions(hardware, seconds: float, config, world_size: int, setups: list[str]) -> None:
+    """The calibration, then each setup's predicted step (and its phases) from it."""
+    import dataclasses
+    import json
+
+    from dmuon_edu import dmuon
+
+    print(f"CALIBRATION | {world_size} | {seconds:.1f} | {json.dumps(dataclasses.asdict(hardware))} |", flush=True)
+    for name in setups:
+        workload, layout = time_model_setup(name, config, world_size)
+        step = dmuon.predict_step(workload, layout, world_size=world_size, micro_batches=MICRO_BATCHES,
+                                  hardware=hardware, ns_dtype=fast_dtype("cpu"))
+        phases = {phase: round(s * 1e3, 1) for phase, s in step.phases.items()}
+        print(f"PREDICTED | {world_size} | {name} | {step.total * 1e3:.0f} | {json.dumps(phases)} |", flush=True)
 
 
 COLUMNS = ["W ranks", "setup", "step (ms)", "AdamW peer", "step / peer", "q1", "q3", "owners' Muon + TP (ms)",
            "collectives AdamW does not need (ms)", "floor (ms)", "step / floor", *(f"{p} (ms)" for p in PHASES)]
 
 
-def measure(nproc: int, env: dict | None = None) -> tuple[list[list[str]], dict[str, float]]:
-    """One launch on ``nproc`` ranks (``env``: e.g. the emulation's variables): the rows (cells as COLUMNS), and the
-    collectives timed alone ({what: ms})."""
+def measure(nproc: int, env: dict | None = None):
+    """One launch on ``nproc`` ranks (``env``: e.g. the emulation's variables): the rows (cells as COLUMNS), the
+    collectives timed alone ({what: ms}), the time model's predictions ({setup: (ms, {phase: ms})}) and its
+    calibration ((seconds taken, Hardware's fields))."""
+    import json
+
     from dmuon_edu.launch import torchrun
 
     result = torchrun(__file__, nproc=nproc, timeout=900, echo=False, env=env)
-    rows, alone = [], {}
+    rows, alone, predicted, calibration = [], {}, {}, None
     for line in result.stdout(0).splitlines():
         cells = [cell.strip() for cell in line.split("|")[1:-1]]
         if line.startswith("ROW "):
             rows.append(cells)
         elif line.startswith("ALONE "):
             alone[cells[1]] = float(cells[2])
-    return rows, alone
+        elif line.startswith("PREDICTED "):
+            predicted[cells[1]] = (float(cells[2]), json.loads(cells[3]))
+        elif line.startswith("CALIBRATION "):
+            calibration = (float(cells[1]), json.loads(cells[2]))
+    return rows, alone, predicted, calibration
 
 
 def main():
@@ -314,7 +393,7 @@ def main():
     print("|" + "---|" * len(COLUMNS))
     for nproc in (2, 4):
         start = time.perf_counter()
-        rows, alone = measure(nproc)
+        rows, alone, _, _ = measure(nproc)
         print("\n".join("| " + " | ".join(cells) + " |" for cells in rows), flush=True)
         print(f"({nproc} ranks: {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.1f}; "
               f"alone: {alone})", file=sys.stderr, flush=True)

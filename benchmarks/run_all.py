@@ -29,7 +29,12 @@ Each row sets a measured number beside what it is judged against, both from this
 - peak memory of one accumulated step (4 micro-batches) against the same step on the
   full batch (dmuon_edu.peak_memory_bytes);
 - Newton-Schulz throughput in bf16 against bf16 matmul throughput (X @ X^T on the same
-  matrices), GFLOP/s on CPU; with CUDA, TFLOP/s on the GPU, against large bf16 matmuls.
+  matrices), GFLOP/s on CPU; with CUDA, TFLOP/s on the GPU, against large bf16 matmuls,
+  and both against the time model's GPU preset (compute rates only);
+- every training-step row, in both benchmarks, against dmuon's time model, predicted from a
+  calibration made at the start of the same launch (a section of its own, with the
+  calibrations); and the model's predictions for GPT-2 small and Llama-2-7B on 8 to 1024
+  H100s (gpu_predictions.py).
 
 The table goes to benchmarks/results.md (or --out) and to stdout, with the machine,
 the torch version, the date and the load average: timings on a shared machine move,
@@ -55,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 import bench_dmuon  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_step  # noqa: E402
+import gpu_predictions  # noqa: E402
 import machine  # noqa: E402
 import user_step  # noqa: E402
 
@@ -63,7 +69,7 @@ from dmuon_edu.accumulation import train_step_with_accumulation  # noqa: E402
 from dmuon_edu.course.gpt import GPT, GPTConfig  # noqa: E402
 from dmuon_edu.launch import RankFailedError, torchrun  # noqa: E402
 from dmuon_edu.memory import peak_memory_bytes  # noqa: E402
-from dmuon_edu.newton_schulz import batching_pays, fast_dtype, newton_schulz  # noqa: E402
+from dmuon_edu.newton_schulz import batching_pays, fast_dtype, newton_schulz, ns_flops  # noqa: E402
 
 HEADER = "| benchmark | measured | against | ratio |\n|---|---|---|---|"
 GPU_NS_SHAPES = {"square 4096x4096": (4096, 4096), "4:1 2048x8192": (2048, 8192)}
@@ -141,10 +147,10 @@ def user_step_rows(nproc: int, env: dict | None) -> dict[str, list[str]]:
 def training_step_rows() -> list[str]:
     """Each training step against its floor (bench_step), against its naive peer, and a user's script against
     bench_step, natively and emulated, on 2 and 4 ranks; the phases and floors go to a section of their own."""
-    rows, phase_tables, agreement = [], [], []
+    rows, phase_tables, agreement, predictions = [], [], [], []
     for machine_name, env in MACHINES.items():
         for nproc in (2, 4):
-            bench, alone = bench_step.measure(nproc, env)
+            bench, alone, predicted, calibration = bench_step.measure(nproc, env)
             user = user_step_rows(nproc, env)
             cells = {c[1]: dict(zip(bench_step.COLUMNS, c)) for c in bench}
             where = lambda setup: f"{bench_step.where(setup, nproc)}, {machine_name}"  # noqa: E731
@@ -162,6 +168,7 @@ def training_step_rows() -> list[str]:
                 rows.append(row(f"training step, {ours}, {where(ours)}: against {peer}", f"{mine} ms",
                                 f"{peer} {theirs} ms", float(mine) / float(theirs)))
             phase_tables.append((machine_name, nproc, bench, alone))
+            predictions.append((machine_name, nproc, cells, user, predicted, calibration))
             for setup, u in user.items():
                 if setup not in cells or u[3] == "-":
                     continue
@@ -176,7 +183,9 @@ def training_step_rows() -> list[str]:
                                  f"{b['step / peer']} ({b['q1']}-{b['q3']}) | {'yes' if overlap else 'NO'} | "
                                  f"{floor_cell} | {within} |")
     SECTIONS.append(_training_step_sections(phase_tables, agreement))
-    return rows
+    model_rows, section = time_model_section(predictions)
+    SECTIONS.append(section)
+    return rows + model_rows
 
 
 def _training_step_sections(phase_tables, agreement) -> str:
@@ -196,6 +205,68 @@ def _training_step_sections(phase_tables, agreement) -> str:
               "| machine | W ranks | setup | AdamW peer | user's script | bench_step | agree | floor / peer | "
               "user's step / floor |", "|---|---|---|---|---|---|---|---|---|", *agreement, ""]
     return "\n".join(lines)
+
+
+PREDICTION_TOLERANCE = 0.20  # every predicted step within 20% of its measurement
+ORDERED_APART = 0.10  # two measured rows more than 10% apart must be predicted in the same order
+
+
+def time_model_section(predictions) -> tuple[list[str], str]:
+    """Each row of both benchmarks against the time model's prediction from the same launch's calibration: the
+    farthest per machine and world size as table rows, every row and the calibrations as a section."""
+    rows, lines = [], ["## The time model: predicted against measured", "",
+                       "dmuon's time model (dmuon_edu/dmuon/step_time.py) predicts every setup's step from a "
+                       "calibration made at the start of the same bench_step.py launch (dmuon.calibrate(): each "
+                       "collective alone over message sizes, matmuls and elementwise passes alone; 4 ranks on 2 "
+                       "cores: the model gives each rank cores / ranks of the calibrated one-rank rates). predicted / "
+                       "measured within 20% passes; pairs of measured rows more than 10% apart must be predicted in "
+                       "the same order.", ""]
+    calibrations = []
+    for machine_name, nproc, cells, user, predicted, (seconds, hardware) in predictions:
+        table, ratios, measured = [], [], {"bench_step": {}, "user's script": {}}
+        for setup, (ms, phases) in predicted.items():
+            bench_ms = float(cells[setup]["step (ms)"]) if setup in cells else None
+            user_ms = float(user[setup][2]) if setup in user else None
+            for benchmark, value in (("bench_step", bench_ms), ("user's script", user_ms)):
+                if value is not None:
+                    measured[benchmark][setup] = value
+                    ratios.append((ms / value, f"{setup} ({benchmark})"))
+            cell = lambda value: "-" if value is None else f"{value:.0f} | {ms / value:.2f}"  # noqa: E731
+            table.append(f"| {setup} | {ms:.0f} | {cell(bench_ms)} | {cell(user_ms)} | "
+                         f"{'yes' if all(abs(r - 1) <= PREDICTION_TOLERANCE for r, w in ratios if w.startswith(setup + ' (')) else 'NO'} |")
+        misordered, apart = [], 0
+        for benchmark, values in measured.items():
+            for a in values:
+                for b in values:
+                    if values[a] > values[b] * (1 + ORDERED_APART):
+                        apart += 1
+                        if not predicted[a][0] > predicted[b][0]:
+                            misordered.append(f"{a} > {b} ({benchmark})")
+        worst_ratio, worst = max(ratios, key=lambda r: abs(r[0] - 1))
+        rows.append(row(f"time model, {nproc} ranks, {machine_name}: predicted / measured, the farthest of "
+                        f"{len(ratios)} rows ({worst}); {apart - len(misordered)} of {apart} pairs 10% apart in order",
+                        f"within {max(abs(r - 1) for r, _ in ratios) * 100:.0f}%", "20%", worst_ratio))
+        lines += [f"### {nproc} ranks, {machine_name}", "",
+                  "| setup | predicted (ms) | measured, bench_step (ms) | predicted / measured | measured, user's "
+                  "script (ms) | predicted / measured | within 20% |", "|---|---|---|---|---|---|---|", *table, "",
+                  f"Pairs of measured rows more than 10% apart: {apart}, predicted in another order: "
+                  + (", ".join(misordered) if misordered else "none") + ".", ""]
+        links = hardware["calibrated"][str(nproc)]
+        calibrations.append(f"| {machine_name} | {nproc} | {seconds:.1f} | "
+                            + " | ".join(f"{hardware['matmul_flops'][d] / 1e9:.0f}" for d in ("float32", "bfloat16"))
+                            + f" | {hardware['memory_bandwidth'] / 1e9:.1f} | {hardware['elementwise_seconds'] * 1e9:.2f} | "
+                            + f"{hardware['nonlinearity_seconds'] * 1e9:.2f} | "
+                            + " | ".join(f"{links[c]['alpha'] * 1e6:.0f} us, {1 / links[c]['beta'] / 1e9 if links[c]['beta'] else float('inf'):.2f} GB/s"
+                                         for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"))
+                            + " |")
+    lines += ["### The calibrations", "", "Per launch: its seconds, the matmul rates of one rank (GFLOP/s), the memory "
+              "bandwidth of an elementwise pass (GB/s), an activation entry's cost through a norm or an add and "
+              "through a GELU, forward and backward (ns), and each collective's alpha and 1 / beta (wire bytes per "
+              "second) over the whole world.", "",
+              "| machine | W ranks | seconds | float32 | bfloat16 | memory GB/s | norm, add ns | GELU ns | all_reduce | "
+              "all_gather | reduce_scatter | broadcast | reduce |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+              *calibrations, ""]
+    return rows, "\n".join(lines)
 
 
 def communication_rows() -> list[str]:
@@ -252,22 +323,33 @@ def memory_rows() -> list[str]:
 
 
 def gpu_rows() -> list[str]:
-    """NS throughput in bf16 on the GPU against bf16 matmul throughput, both measured now."""
+    """NS throughput in bf16 on the GPU against bf16 matmul throughput, both measured now; and each beside the
+    time model's prediction from its GPU preset (the compute rates: one GPU cannot check alpha, beta or overlap)."""
+    from dmuon_edu import dmuon
+
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
+    preset = "h200" if "H200" in name else "h100-sxm"  # another GPU is compared with the H100's rates, and says so
+    hardware = dmuon.HARDWARE[preset]
     a = torch.randn(GPU_MATMUL_SIZE, GPU_MATMUL_SIZE, device=device, dtype=torch.bfloat16)
     matmul_s = _cuda_seconds(lambda: a @ a)
     matmul_tflops = 2 * GPU_MATMUL_SIZE**3 / matmul_s / 1e12
-    rows = []
+    predicted_tflops = hardware.rate("bfloat16") / 1e12
+    rows = [row(f"time model: bf16 matmul {GPU_MATMUL_SIZE}^3 on {name}, measured against the {preset} preset "
+                "(compute rates only: one GPU checks neither alpha, beta nor overlap)", f"{matmul_tflops:.0f} TFLOP/s",
+                f"predicted {predicted_tflops:.0f} TFLOP/s", matmul_tflops / predicted_tflops)]
     for label, shape in GPU_NS_SHAPES.items():
         G = torch.randn(GPU_NS_MATRICES, *shape, device=device)
         ns_s = _cuda_seconds(lambda: newton_schulz(G, dtype=torch.bfloat16))
-        m, n = sorted(shape)
-        flops = GPU_NS_MATRICES * 5 * (4 * m * m * n + 2 * m**3)  # direct NS5, as in bench_muon
+        flops = GPU_NS_MATRICES * ns_flops(shape)  # as newton_schulz runs them (Gram-space pairs for wide shapes)
         ns_tflops = flops / ns_s / 1e12
         rows.append(row(f"Newton-Schulz throughput, {label} x {GPU_NS_MATRICES}, bf16, {name}",
                         f"{ns_tflops:.0f} TFLOP/s", f"bf16 matmul {GPU_MATMUL_SIZE}^3 {matmul_tflops:.0f} TFLOP/s",
                         ns_tflops / matmul_tflops))
+        predicted_s = flops / hardware.rate("bfloat16")
+        rows.append(row(f"time model: Newton-Schulz {label} x {GPU_NS_MATRICES}, bf16, {name}, measured against the "
+                        f"{preset} preset", f"{ns_s * 1e3:.2f} ms", f"predicted {predicted_s * 1e3:.2f} ms",
+                        ns_s / predicted_s))
     return rows
 
 
@@ -296,6 +378,8 @@ def main(argv=None) -> None:
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     sections = [] if args.gpu_only else [muon_step_rows, newton_schulz_rows, dmuon_rows, training_step_rows,
                                         communication_rows, memory_rows]
+    if not args.gpu_only:
+        SECTIONS.append(gpu_predictions.section())
     if torch.cuda.is_available():
         sections.append(gpu_rows)
     rows = []

@@ -23,14 +23,23 @@ from dmuon_edu import muon
 TP = 2  # the TP degree: (dp, tp) = (W / 2, 2)
 
 
+# Each module's TP style: torch's, and the time model's name for it (dmuon_edu/dmuon/step_time.py).
+PLAN = {
+    "attn.qkv_proj": (lambda: ColwiseParallel(output_layouts=Replicate()), "colwise, gathered"),
+    "attn.out_proj": (lambda: RowwiseParallel(input_layouts=Replicate()), "rowwise, from replicated"),
+    "mlp.up_proj": (ColwiseParallel, "colwise"),
+    "mlp.down_proj": (RowwiseParallel, "rowwise"),
+}
+
+
 def parallelize(model: nn.Module, tp_mesh) -> None:
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "attn.qkv_proj": ColwiseParallel(output_layouts=Replicate()),
-            "attn.out_proj": RowwiseParallel(input_layouts=Replicate()),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        })
+        parallelize_module(layer, tp_mesh, {module: style() for module, (style, _) in PLAN.items()})
+
+
+def time_model_styles(n_layer: int) -> dict[str, str]:
+    """The plan in the time model's words, {module name: style}; every TP rank runs the whole attention."""
+    return {f"layers.{i}.{module}": name for i in range(n_layer) for module, (_, name) in PLAN.items()}
 
 
 def _layout(p: torch.Tensor):

@@ -4,7 +4,8 @@
 
 Nothing here reaches inside dmuon_edu or patches it: each layout is set up with the calls
 docs/dmuon.md shows, and the loop is the accumulation loop of any training script (the
-first N-1 micro-batches under the layout's no_sync, then the optimizer step). The model is
+first N-1 micro-batches under the layout's no_sync, then the optimizer step). On 4 ranks, HSDP
+too, as (replicate, shard) = (2, 2). The model is
 the course's small GPT (d 256, 4 layers, vocab 256), N = 4 micro-batches of 8 x 64 fresh
 random tokens per rank at every step. Every setup is built once and warmed up; then each
 round runs one step of every setup, in an order rotated by one at each round, so that a
@@ -33,14 +34,36 @@ MICRO_BATCHES, BATCH, TOKENS = 4, 8, 64
 CONFIG = GPTConfig(vocab_size=256, block_size=TOKENS, n_layer=4, n_head=4, d_model=256)
 # Each setup beside the AdamW step of its own layout.
 PEER = {"dmuon Z2": "FSDP2 + AdamW", "dmuon Z3": "FSDP2 + AdamW", "dmuon DDP backend": "DDP + AdamW",
-        "DDP + replicated Muon": "DDP + AdamW"}
+        "DDP + replicated Muon": "DDP + AdamW", "dmuon HSDP Z3": "HSDP + AdamW"}
 SETUPS = ["FSDP2 + AdamW", "dmuon Z2", "dmuon Z3", "DDP + AdamW", "DDP + replicated Muon", "dmuon DDP backend"]
+HSDP_SETUPS = ["HSDP + AdamW", "dmuon HSDP Z3"]  # on 4 ranks, as (replicate, shard) = (2, 2)
+
+
+def fsdp_no_sync(model):
+    @contextlib.contextmanager
+    def no_sync():  # FSDP2's switch: no reduce-scatter until the last micro-batch
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    return no_sync
 
 
 def build(name, mesh):
     """(the module to call, the optimizers, the no_sync context of the layout), as docs/dmuon.md sets them up."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
+    if "HSDP" in name:  # a 2-D (replicate, shard) mesh, FSDP2 on both axes, dmuon on the shard axis
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        if name == "dmuon HSDP Z3":
+            dmuon.dedicate_params(model, mesh["shard"], is_hidden_matrix, replicate_mesh=mesh["replicate"])
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if name == "dmuon HSDP Z3":
+            return model, [dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)], lambda: dmuon.no_sync(model)
+        return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], fsdp_no_sync(model)
     if name in ("dmuon Z2", "dmuon Z3"):
         dmuon.dedicate_params(model, mesh, is_hidden_matrix, reshard_after_forward=name == "dmuon Z3")
         for layer in model.layers:
@@ -55,15 +78,7 @@ def build(name, mesh):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-
-        @contextlib.contextmanager
-        def no_sync():  # FSDP2's switch: no reduce-scatter until the last micro-batch
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
-        return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], no_sync
+        return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], fsdp_no_sync(model)
     ddp = DistributedDataParallel(model)
     if name == "DDP + AdamW":
         return ddp, [torch.optim.AdamW(model.parameters(), lr=1e-3)], ddp.no_sync
@@ -88,13 +103,14 @@ def main():
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         generator = torch.Generator().manual_seed(ranks.rank)
         tokens = lambda: torch.randint(0, CONFIG.vocab_size, (BATCH, TOKENS + 1), generator=generator)  # noqa: E731
-        runs = {name: build(name, mesh) for name in SETUPS}
-        for name in SETUPS:  # warm-up: the first step allocates the optimizer state and FSDP2's buffers
+        setups = SETUPS + (HSDP_SETUPS if ranks.world_size == 4 else [])
+        runs = {name: build(name, mesh) for name in setups}
+        for name in setups:  # warm-up: the first step allocates the optimizer state and FSDP2's buffers
             train_step(*runs[name], tokens)
-        seconds = {name: [] for name in SETUPS}
+        seconds = {name: [] for name in setups}
         rounds = 10 if ranks.world_size <= 2 else 7  # a step of 4 ranks on 2 cores takes twice as long
         for r in range(rounds):
-            for name in SETUPS[r % len(SETUPS):] + SETUPS[: r % len(SETUPS)]:
+            for name in setups[r % len(setups):] + setups[: r % len(setups)]:
                 dist.barrier()
                 start = time.perf_counter()
                 train_step(*runs[name], tokens)
@@ -102,7 +118,7 @@ def main():
                 # for the collectives still in flight (the DDP backend's post-step broadcast) and the slowest rank.
                 dist.barrier()
                 seconds[name].append(time.perf_counter() - start)
-        for name in SETUPS:
+        for name in setups:
             step = statistics.median(seconds[name])
             peer = PEER.get(name)
             ratios = [a / b for a, b in zip(seconds[name], seconds[peer])] if peer else [1.0] * rounds

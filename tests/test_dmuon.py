@@ -264,6 +264,18 @@ def test_time_model_plans_the_collectives_that_run(checks):
                 assert predicted["planned"].get(op, [0, 0])[1] == planned_tp, (name, rank)
 
 
+def test_calibrate_measures_this_machine_in_30_seconds(checks):
+    c = real_use(checks, "calibrate")
+    assert c["seconds_taken"] < 30, c  # the issue's budget; 5 to 6 s measured on 2 cores
+    assert c["cores"] >= 1 and c["memory_bandwidth"] > 1e8, c  # any machine streams more than 100 MB/s
+    assert all(rate > 1e9 for rate in c["matmul_flops"].values()), c  # a GFLOP/s on one thread, even emulated bf16
+    assert 0 < c["elementwise_seconds"] < 1e-6 and 0 < c["nonlinearity_seconds"] < 1e-6, c
+    costs = c["calibrated"][str(c["world"])]  # the whole world's group, every collective
+    assert sorted(costs) == sorted(dmuon.hardware.COLLECTIVES), c
+    # a call costs something, and no collective on one machine is slower than a megabyte per second
+    assert all(alpha > 0 and 0 <= beta < 1e-6 for alpha, beta in costs.values()), c
+
+
 def test_tensor_parallel_resumes_bit_identically(checks):
     # Z2 through full state dicts and torch.save, Z3 through torch.distributed.checkpoint: a fresh model takes
     # step 3 exactly as the one that trained steps 1 and 2 (the TP owners' full momentum comes back)

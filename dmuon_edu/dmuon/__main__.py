@@ -33,12 +33,14 @@ def _workload(args) -> Workload:
             workload = Workload({name: tuple(shape) for name, shape in spec["shapes"].items()},
                                 frozenset(spec["dedicated"]), int(spec["tokens"]),
                                 frozenset(spec.get("lookups", ())), float(spec.get("attention_flops_per_token", 0)),
-                                float(spec.get("activation_entries_per_token", 0)), dtype=spec.get("dtype", "bfloat16"),
+                                float(spec.get("activation_entries_per_token", 0)),
+                                float(spec.get("nonlinearity_entries_per_token", 0)), dtype=spec.get("dtype", "bfloat16"),
                                 activation_checkpointing=bool(spec.get("activation_checkpointing", False)))
         except (OSError, ValueError, KeyError, TypeError) as error:
             sys.exit(f"--shapes {args.shapes}: {error}. The file is JSON: {{\"shapes\": {{name: [m, n], ...}}, "
                      "\"dedicated\": [names of the Muon matrices], \"tokens\": tokens per micro-batch per rank}, "
                      "optionally \"lookups\", \"attention_flops_per_token\", \"activation_entries_per_token\", "
+                     "\"nonlinearity_entries_per_token\", "
                      "\"dtype\", \"activation_checkpointing\"")
     if args.tokens is not None:
         workload = dataclasses.replace(workload, tokens=args.tokens)
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch per rank (default: the preset's)")
     parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, metavar="LAYOUT",
                         help=f"of: {', '.join(LAYOUTS)} (default: the 1-D ones)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="HSDP's replicas (default: one per node on a GPU preset, shards within a node; else 2)")
     parser.add_argument("--hardware", default="h100-sxm", help=f"{', '.join(HARDWARE)}, or calibrate (under torchrun)")
     parser.add_argument("--ns-dtype", default="bfloat16", help="Newton-Schulz's dtype (default bfloat16)")
     parser.add_argument("--ns-backend", choices=("gram", "direct"), default="gram")
@@ -72,8 +76,13 @@ def main(argv=None) -> int:
         parser.error(f"unknown hardware {args.hardware!r}; use one of {', '.join(HARDWARE)}, or calibrate")
     rows = {}
     for name in args.layouts:
+        layout = LAYOUTS[name]
+        if layout.replicas > 1:
+            per_node = hardware.ranks_per_node
+            replicas = args.replicas or (max(1, world // per_node) if per_node else layout.replicas)
+            layout = dataclasses.replace(layout, replicas=replicas)
         try:
-            rows[name] = predict_step(workload, LAYOUTS[name], world_size=world, micro_batches=args.micro_batches,
+            rows[name] = predict_step(workload, layout, world_size=world, micro_batches=args.micro_batches,
                                       hardware=hardware, ns_dtype=args.ns_dtype, ns_backend=args.ns_backend)
         except ValueError as error:
             parser.error(f"{name}: {error}")

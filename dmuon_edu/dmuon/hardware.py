@@ -92,14 +92,17 @@ class Hardware:
     name: str
     matmul_flops: Mapping[str, float]  # dtype name ("float32", "bfloat16") -> FLOP/s of one rank
     memory_bandwidth: float  # bytes/s one rank streams through elementwise passes
-    collectives: Mapping[str, LinkCost] = field(default_factory=dict)  # within a node
+    collectives: Mapping[str, LinkCost] = field(default_factory=dict)  # within a node (the presets: per hop)
     across_nodes: Mapping[str, LinkCost] = field(default_factory=dict)  # a group spanning nodes; empty: one node
+    # calibrate()'s costs by group size: groups of that many ranks, every such group busy at once
+    calibrated: Mapping[int, Mapping[str, LinkCost]] = field(default_factory=dict)
     ranks_per_node: int | None = None  # GPUs per node; None: every rank on one node
     cores: int | None = None  # CPU cores the node's ranks share, one thread each; None: a device per rank
     overlap: bool = False  # collectives run beside compute
     compute_efficiency: float = 1.0
-    elementwise_seconds: float = 0.0  # one activation entry through a norm, an activation and an add, fwd + bwd
-    calibrated_world_size: int | None = None  # calibrate()'s alphas hold at this world size only
+    elementwise_seconds: float = 0.0  # one activation entry through a norm or an add, forward and backward
+    nonlinearity_seconds: float = 0.0  # one entry through the MLP's activation function (GELU), fwd and bwd
+    calibrated_world_size: int | None = None  # the world size calibrate() ran on
     source: str = ""
 
     def rate(self, dtype: str | torch.dtype) -> float:
@@ -121,9 +124,13 @@ class Hardware:
         ``group_size`` ranks that span ``nodes`` nodes."""
         if calls == 0 or group_size <= 1:
             return 0.0
-        if self.calibrated_world_size is not None and group_size > self.calibrated_world_size:
-            raise ValueError(f"{self.name} was calibrated on {self.calibrated_world_size} ranks and cannot price a "
-                             f"collective over {group_size}: calibrate() at the world size you predict for")
+        if self.calibrated:
+            measured = self.calibrated.get(group_size)
+            if measured is None:
+                raise ValueError(f"{self.name} was calibrated for groups of {sorted(self.calibrated)} ranks and cannot "
+                                 f"price a collective over {group_size}: calibrate() at the world size you predict for")
+            cost = measured[collective]
+            return calls * cost.alpha + cost.beta * wire_factor(collective, group_size) * nbytes
         within = self.collectives.get(collective)
         if within is None:
             raise ValueError(f"{self.name} has no cost for {collective}; it has {', '.join(self.collectives)}")
@@ -173,7 +180,7 @@ def _gpu(name: str, memory_bandwidth: float) -> Hardware:
         ranks_per_node=8, overlap=True, compute_efficiency=0.55, source=_GPU_SOURCES,
         # An activation entry through a norm, an activation and an add, forward and backward: about 12 reads and
         # writes of 2 bytes (bf16), memory-bound.
-        elementwise_seconds=24 / memory_bandwidth,
+        elementwise_seconds=24 / memory_bandwidth, nonlinearity_seconds=24 / memory_bandwidth,
     )
 
 
@@ -185,8 +192,8 @@ HARDWARE: dict[str, Hardware] = {
 
 
 # -- calibrate --------------------------------------------------------------------------------------------------
-CALIBRATION_SIZES = (64, 2**20, 2**21, 2**22)  # counted bytes per call: one latency-bound, then bandwidth-bound
-_REPEATS = 11
+CALIBRATION_SIZES = (64, 2**20, 2**22)  # counted bytes per call: one latency-bound, then bandwidth-bound
+_REPEATS = 9
 _CALLS_PER_TIMING = 4
 _MATMUL_SIZE = 512  # rates are flat from 256 up on CPUs (measured: 100-103 GFLOP/s float32 from 256^3 to 1024^3)
 
@@ -219,13 +226,17 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     device = torch.device(device)
     world = dist.get_world_size() if grouped else 1
     rank = dist.get_rank() if grouped else 0
-    collectives = {c: _fit(c, device, world) for c in COLLECTIVES} if grouped and world > 1 else {}
-    measured = torch.zeros(len(dtypes) + 2, dtype=torch.float64)
+    calibrated = {}
+    for size in (g for g in range(2, world + 1) if world % g == 0) if grouped else ():
+        # groups of consecutive ranks (as a TP group, or a shard group of HSDP), all of them busy at once
+        group = dist.group.WORLD if size == world else dist.new_subgroups(size)[0]
+        calibrated[size] = {c: _fit(c, device, group) for c in COLLECTIVES}
+    measured = torch.zeros(len(dtypes) + 3, dtype=torch.float64)
     if rank == 0:
         for i, dtype in enumerate(dtypes):
             measured[i] = _matmul_flops(dtype, device)
-        measured[-2] = _memory_bandwidth(device)
-        measured[-1] = _elementwise_seconds(device)
+        measured[-3] = _memory_bandwidth(device)
+        measured[-2], measured[-1] = _elementwise_seconds(device)
     if grouped:
         dist.broadcast(measured, src=0)  # the others waited here, idle
     # The cores this process may run on (a container's share), else every core the machine reports.
@@ -233,46 +244,48 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     return Hardware(
         name="calibrated", matmul_flops={str(d).removeprefix("torch."): float(measured[i]) for i, d in enumerate(dtypes)},
-        memory_bandwidth=float(measured[-2]), elementwise_seconds=float(measured[-1]), collectives=collectives,
-        cores=cores,
+        memory_bandwidth=float(measured[-3]), elementwise_seconds=float(measured[-2]),
+        nonlinearity_seconds=float(measured[-1]), calibrated=calibrated, cores=cores,
         overlap=device.type == "cuda", calibrated_world_size=world,
         source=f"calibrate() on {world} rank(s), {device.type}",
     )
 
 
-def _fit(collective: str, device: torch.device, world: int) -> LinkCost:
+def _fit(collective: str, device: torch.device, group) -> LinkCost:
     """alpha and beta of one collective: alpha is the time of the smallest message, beta the least-squares slope
     of the rest of the time against wire bytes over the megabyte messages. (A line fitted through every size
     misses both ends: gloo changes algorithm between them.)"""
-    times = {size: _slowest_median(_one_call(collective, size, device, world)) for size in CALIBRATION_SIZES}
+    ranks = dist.get_world_size(group)
+    times = {size: _slowest_median(_one_call(collective, size, device, group)) for size in CALIBRATION_SIZES}
     smallest, *large = CALIBRATION_SIZES
     alpha = times[smallest]
-    xs = [wire_factor(collective, world) * size for size in large]
+    xs = [wire_factor(collective, ranks) * size for size in large]
     beta = sum(x * (times[size] - alpha) for x, size in zip(xs, large)) / sum(x * x for x in xs)
     return LinkCost(alpha=alpha, beta=max(beta, 0.0))
 
 
-def _one_call(collective: str, size: int, device: torch.device, world: int):
-    """A function issuing one ``collective`` of ``size`` counted bytes (float32), as count_comm counts it."""
-    n = max(world, size // 4 // world * world)  # divisible into the ranks' parts
+def _one_call(collective: str, size: int, device: torch.device, group):
+    """A function issuing one ``collective`` of ``size`` counted bytes (float32) over ``group``, as count_comm
+    counts it; its root is the group's first rank."""
+    ranks = dist.get_world_size(group)
+    n = max(ranks, size // 4 // ranks * ranks)  # divisible into the ranks' parts
     whole = torch.zeros(n, device=device)
-    part = torch.zeros(n // world, device=device)
-    root = 0
+    part = torch.zeros(n // ranks, device=device)
     if collective == "all_reduce":
-        return lambda: dist.all_reduce(whole)
+        return lambda: dist.all_reduce(whole, group=group)
     if collective == "all_gather":
-        return lambda: dist.all_gather_single(whole, part)
+        return lambda: dist.all_gather_single(whole, part, group=group)
     if collective == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(part, whole)
+        return lambda: dist.reduce_scatter_single(part, whole, group=group)
     if collective == "broadcast":
-        return lambda: dist.broadcast(whole, src=root)
+        return lambda: dist.broadcast(whole, group=group, group_src=0)
     if collective == "reduce":
-        return lambda: dist.reduce(whole, dst=root)
-    parts = [torch.zeros(n // world, device=device) for _ in range(world)]
-    mine = dist.get_rank() == root
+        return lambda: dist.reduce(whole, group=group, group_dst=0)
+    parts = [torch.zeros(n // ranks, device=device) for _ in range(ranks)]
+    mine = dist.get_group_rank(group, dist.get_rank()) == 0
     if collective == "gather":
-        return lambda: dist.gather(part, parts if mine else None, dst=root)
-    return lambda: dist.scatter(part, parts if mine else None, src=root)
+        return lambda: dist.gather(part, parts if mine else None, group=group, group_dst=0)
+    return lambda: dist.scatter(part, parts if mine else None, group=group, group_src=0)
 
 
 def _slowest_median(call) -> float:
@@ -304,18 +317,22 @@ def _memory_bandwidth(device: torch.device) -> float:
         return 3 * a.numel() * a.element_size() / _median_seconds(lambda: a + a, device)
 
 
-def _elementwise_seconds(device: torch.device) -> float:
-    """Seconds per entry of a transformer's elementwise ops on an activation (512 tokens x 1024): a layer norm, a
-    GELU and a residual add, forward and backward through autograd, each entry counted once per op."""
+def _elementwise_seconds(device: torch.device) -> tuple[float, float]:
+    """Seconds per entry of a transformer's elementwise ops on an activation (512 tokens x 1024), forward and
+    backward through autograd: (a layer norm and a residual add, each entry counted once per op; a GELU)."""
     x = torch.randn(512, 1024, device=device, requires_grad=True)
     gradient = torch.ones_like(x)
 
-    def ops():
-        y = torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, x.shape[-1:])) + x
-        y.backward(gradient)
-        return y.detach()
+    def norm_and_add():  # the output and the input's gradient, both fresh memory, as in a step
+        y = torch.nn.functional.layer_norm(x, x.shape[-1:]) + x
+        return (y.detach(), *torch.autograd.grad(y, x, gradient))
+
+    def nonlinearity():
+        y = torch.nn.functional.gelu(x)
+        return (y.detach(), *torch.autograd.grad(y, x, gradient))
     with _one_thread(device):
-        return _median_seconds(ops, device) / (3 * x.numel())
+        return (_median_seconds(norm_and_add, device) / (2 * x.numel()),
+                _median_seconds(nonlinearity, device) / x.numel())
 
 
 @contextlib.contextmanager
@@ -343,8 +360,9 @@ def _median_seconds(fn, device: torch.device, seconds: float = 0.15) -> float:
         start, count = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
             out = fn()
-            kept.append(out)
-            held += out.numel() * out.element_size()
+            outs = out if isinstance(out, tuple) else (out,)
+            kept.extend(outs)
+            held += sum(t.numel() * t.element_size() for t in outs)
             if held > 64 * 2**20:
                 kept, held = [], 0
             count += 1

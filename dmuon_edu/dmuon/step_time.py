@@ -80,9 +80,11 @@ class Workload:
         tokens: tokens per micro-batch on each data-parallel rank (TP ranks share theirs).
         lookups: tables read by index (embeddings): gathered and reduced, never multiplied.
         attention_flops_per_token: the forward's attention scores and mixing, per token.
-        activation_entries_per_token: the entries that the normalisations, activation
-            functions, residual adds and the loss's softmax write per token in a forward
-            (each priced at the hardware's ``elementwise_seconds`` for its forward and backward).
+        activation_entries_per_token: the entries that the normalisations, residual adds and
+            the loss's softmax write per token in a forward (each priced at the hardware's
+            ``elementwise_seconds`` for its forward and backward).
+        nonlinearity_entries_per_token: the entries the MLP's activation function writes per
+            token in a forward (``nonlinearity_seconds`` each, forward and backward).
         tensor_parallel: Megatron's style of each TP-split module by its name (the prefix of
             its ``.weight`` and ``.bias``): "colwise" (weight rows split, its bias too),
             "colwise, gathered" (and its output gathered), "rowwise" (weight columns split,
@@ -100,6 +102,7 @@ class Workload:
     lookups: frozenset[str] = frozenset()
     attention_flops_per_token: float = 0.0
     activation_entries_per_token: float = 0.0
+    nonlinearity_entries_per_token: float = 0.0
     tensor_parallel: Mapping[str, str] = field(default_factory=dict)
     attention_split: bool = True
     dtype: str = "float32"
@@ -149,11 +152,10 @@ def attention_flops_per_token(n_layer: int, d_model: int, sequence: int) -> floa
     return 4.0 * n_layer * d_model * sequence
 
 
-def activation_entries_per_token(n_layer: int, d_model: int, ffn: int, vocab: int, gated: bool = False) -> float:
-    """A pre-norm transformer's elementwise entries per token in a forward: per layer two norms and two residual
-    adds (4 d) and the MLP's activation (ffn; SwiGLU's SiLU and product, 2 ffn), then the final norm (d) and the
-    loss's softmax over the vocabulary."""
-    return n_layer * (4 * d_model + (2 if gated else 1) * ffn) + d_model + vocab
+def activation_entries_per_token(n_layer: int, d_model: int, vocab: int) -> float:
+    """A pre-norm transformer's norm and add entries per token in a forward: per layer two norms and two residual
+    adds (4 d), then the final norm (d) and the loss's softmax over the vocabulary."""
+    return n_layer * 4 * d_model + d_model + vocab
 
 
 def transformer(*, vocab: int, d_model: int, n_layer: int, ffn: int, sequence: int, tokens: int,
@@ -184,7 +186,8 @@ def transformer(*, vocab: int, d_model: int, n_layer: int, ffn: int, sequence: i
     lookups = {"tok_emb.weight", "pos_emb.weight"} & set(shapes)
     return Workload(shapes, frozenset(matrices), tokens, frozenset(lookups),
                     attention_flops_per_token(n_layer, d_model, sequence),
-                    activation_entries_per_token(n_layer, d_model, ffn, vocab, gated), dtype=dtype,
+                    activation_entries_per_token(n_layer, d_model, vocab),
+                    n_layer * (2 if gated else 1) * ffn, dtype=dtype,  # SwiGLU: the SiLU and the product
                     activation_checkpointing=activation_checkpointing)
 
 
@@ -324,9 +327,12 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
     on_node = min(world_size, hardware.ranks_per_node or world_size)
     share = hardware.share(on_node)
     compute_rate = hardware.rate(workload.dtype) * share * hardware.compute_efficiency
-    # The elementwise work: a third of it in the forward, two thirds in the backward (twice the forward's).
-    elementwise = (micro_batches * workload.tokens * workload.activation_entries_per_token
-                   * hardware.elementwise_seconds / share)
+    # The elementwise work: a third of it in the forward, two thirds in the backward (twice the forward's). Under
+    # TP a column-split MLP's activation runs on the rank's columns.
+    mlp_split = layout.tp if any(s.startswith("colwise") for s in workload.tensor_parallel.values()) else 1
+    elementwise = micro_batches * workload.tokens * (
+        workload.activation_entries_per_token * hardware.elementwise_seconds
+        + workload.nonlinearity_entries_per_token / mlp_split * hardware.nonlinearity_seconds) / share
     recompute = 1 if workload.activation_checkpointing else 0
     flops = _forward_flops(workload, layout.tp)
     forward = micro_batches * flops / compute_rate + elementwise / 3

@@ -1742,6 +1742,17 @@ def time_model_counts(layout, counter, clip_counter, tp=False):
     return {"counted": {k: v for k, v in counted.items() if v[0]}, "planned": planned}
 
 
+def check_calibrate():
+    """dmuon.calibrate() on these ranks: its seconds and what it measured."""
+    started = time.perf_counter()
+    hardware = dmuon.calibrate()
+    report("calibrate", seconds_taken=time.perf_counter() - started, world=dist.get_world_size(),
+           matmul_flops=dict(hardware.matmul_flops), memory_bandwidth=hardware.memory_bandwidth,
+           elementwise_seconds=hardware.elementwise_seconds, nonlinearity_seconds=hardware.nonlinearity_seconds,
+           cores=hardware.cores, calibrated={size: {c: [cost.alpha, cost.beta] for c, cost in costs.items()}
+                                             for size, costs in hardware.calibrated.items()})
+
+
 def _planned_bytes(model):
     """summarize_comm_plan's planned broadcast and reduce bytes of one pass (this rank's)."""
     totals = dmuon.summarize_comm_plan(model)["totals"]
@@ -1804,6 +1815,7 @@ def main():
             check_wrapped_checkpoints(mesh)
             check_partial_clip(mesh)
             check_order_modes(mesh)
+            check_calibrate()
             check_ddp(mesh)
             check_partial_clip(mesh, backend="ddp")
             check_wrapped_checkpoints(mesh, "ddp")
