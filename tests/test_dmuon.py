@@ -268,7 +268,8 @@ def test_calibrate_measures_this_machine_in_30_seconds(checks):
     c = real_use(checks, "calibrate")
     assert c["seconds_taken"] < 30, c  # the budget; 5 to 6 s measured on 2 cores
     assert c["cores"] >= 1 and c["memory_bandwidth"] > 1e8, c  # any machine streams more than 100 MB/s
-    assert all(rate > 1e9 for rate in c["matmul_flops"].values()), c  # a GFLOP/s on one thread, even emulated bf16
+    # 0.1 GFLOP/s: an AVX2-only CPU multiplies bf16 at 0.46 GFLOP/s on one thread (float32 at 22)
+    assert all(rate > 1e8 for rate in c["matmul_flops"].values()), c
     assert 0 < c["elementwise_seconds"] < 1e-6 and 0 < c["nonlinearity_seconds"] < 1e-6, c
     costs = c["calibrated"][str(c["world"])]  # the whole world's group, every collective
     assert sorted(costs) == sorted(dmuon.hardware.COLLECTIVES), c

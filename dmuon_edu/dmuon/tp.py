@@ -16,7 +16,7 @@ with one TP index) the plan's DP owner holds its shard, broadcasts it for the fo
 receives the shard's averaged gradient, exactly as on a 1-D mesh. The plan is made from the
 full shapes, so every column has the same DP owners, and the ranks at one DP index form a
 TP group that together holds the whole matrix. One of them, its *TP owner* (planned by
-Newton-Schulz cost over the TP group, per DP owner), runs Muon on the full logical matrix
+Newton-Schulz time over the TP group, per DP owner), runs Muon on the full logical matrix
 at the optimizer step, never on a shard (an orthogonalised shard is not a shard of the
 orthogonalised matrix):
 
