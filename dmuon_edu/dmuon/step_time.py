@@ -44,15 +44,15 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dmuon_edu.newton_schulz import ns_flops
 
-from .hardware import COLLECTIVES, Hardware
-from .plan import imbalance, layer_of, plan_owners
+from .hardware import Hardware
+from .plan import layer_of, plan_owners
 
 __all__ = ["Workload", "Layout", "LAYOUTS", "MODELS", "StepTime", "Collective", "predict_step", "planned_collectives",
            "attention_flops_per_token", "activation_entries_per_token", "transformer"]
