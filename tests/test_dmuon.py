@@ -275,6 +275,11 @@ def test_calibrate_measures_this_machine_in_30_seconds(checks):
     assert sorted(costs) == sorted(dmuon.hardware.COLLECTIVES), c
     # a call costs something, and no collective on one machine is slower than a megabyte per second
     assert all(alpha > 0 and 0 <= beta < 1e-6 for alpha, beta in costs.values()), c
+    # the frameworks' own work, timed alone on tiny modules: FSDP2's per unit, DTensor's per TP style
+    work = c["host_work"][str(c["world"])]
+    assert sorted(work) == ["colwise", "colwise, gathered", "fsdp2 unit", "rowwise", "rowwise, from replicated"], c
+    assert all(per_unit >= 0 and per_parameter >= 0 for per_unit, per_parameter in work.values()), c
+    assert work["fsdp2 unit"][0] > 0, c  # an FSDP2 unit's gathers and hooks take time
 
 
 def test_tensor_parallel_resumes_bit_identically(checks):

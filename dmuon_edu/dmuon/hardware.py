@@ -48,6 +48,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = ["COLLECTIVES", "LinkCost", "Hardware", "HARDWARE", "wire_factor", "calibrate"]
 
@@ -96,6 +101,10 @@ class Hardware:
     across_nodes: Mapping[str, LinkCost] = field(default_factory=dict)  # a group spanning nodes; empty: one node
     # calibrate()'s costs by group size: groups of that many ranks, every such group busy at once
     calibrated: Mapping[int, Mapping[str, LinkCost]] = field(default_factory=dict)
+    # calibrate()'s measure of the frameworks' own work around their collectives, by group size: "fsdp2 unit"
+    # (seconds per unit and micro-batch, seconds per parameter) and each TP style (seconds per module and
+    # micro-batch, 0). Absent: a collective's alpha is all its fixed cost (the GPU presets: the host runs ahead).
+    host_work: Mapping[int, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
     ranks_per_node: int | None = None  # GPUs per node; None: every rank on one node
     cores: int | None = None  # CPU cores the node's ranks share, one thread each; None: a device per rank
     overlap: bool = False  # collectives run beside compute
@@ -119,9 +128,10 @@ class Hardware:
         return 1.0 if self.cores is None else min(1.0, self.cores / max(ranks_on_node, 1))
 
     def collective_seconds(self, collective: str, calls: int, nbytes: float, group_size: int,
-                           nodes: int = 1) -> float:
+                           nodes: int = 1, fixed: float | None = None) -> float:
         """Seconds of ``calls`` calls of ``collective`` moving ``nbytes`` counted bytes in all, each over
-        ``group_size`` ranks that span ``nodes`` nodes."""
+        ``group_size`` ranks that span ``nodes`` nodes; ``fixed``: the calls' fixed cost in all, in place of
+        ``calls`` alphas (the frameworks' host work, :meth:`framework_seconds`)."""
         if calls == 0 or group_size <= 1:
             return 0.0
         if self.calibrated:
@@ -130,7 +140,8 @@ class Hardware:
                 raise ValueError(f"{self.name} was calibrated for groups of {sorted(self.calibrated)} ranks and cannot "
                                  f"price a collective over {group_size}: calibrate() at the world size you predict for")
             cost = measured[collective]
-            return calls * cost.alpha + cost.beta * wire_factor(collective, group_size) * nbytes
+            return (calls * cost.alpha if fixed is None else fixed) + cost.beta * wire_factor(
+                collective, group_size) * nbytes
         within = self.collectives.get(collective)
         if within is None:
             raise ValueError(f"{self.name} has no cost for {collective}; it has {', '.join(self.collectives)}")
@@ -150,6 +161,17 @@ class Hardware:
         latency = across.alpha + within.alpha_per_hop * intra + across.alpha_per_hop * inter
         # The ring's bytes cross the slowest link on their way: the network's.
         return calls * latency + across.beta * wire_factor(collective, group_size) * nbytes
+
+
+    def framework_seconds(self, work: str, group_size: int, units: float, parameters: float = 0) -> float | None:
+        """The host work of ``units`` FSDP2 units carrying ``parameters`` parameters ("fsdp2 unit"), or of
+        ``units`` TP-split modules of a style, per micro-batch, collectives' fixed costs included; None where
+        calibrate() did not measure it."""
+        measured = self.host_work.get(group_size, {}).get(work)
+        if measured is None:
+            return None
+        per_unit, per_parameter = measured
+        return units * per_unit + parameters * per_parameter
 
 
 # -- GPU presets ------------------------------------------------------------------------------------------------
@@ -193,8 +215,8 @@ HARDWARE: dict[str, Hardware] = {
 
 # -- calibrate --------------------------------------------------------------------------------------------------
 CALIBRATION_SIZES = (64, 2**20, 2**22)  # counted bytes per call: one latency-bound, then bandwidth-bound
-_REPEATS = 9
-_CALLS_PER_TIMING = 4
+_REPEATS = 7
+_CALLS_PER_TIMING = 3
 _MATMUL_SIZE = 512  # rates are flat from 256 up on CPUs (measured: 100-103 GFLOP/s float32 from 256^3 to 1024^3)
 
 
@@ -226,11 +248,13 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     device = torch.device(device)
     world = dist.get_world_size() if grouped else 1
     rank = dist.get_rank() if grouped else 0
-    calibrated = {}
+    calibrated, host_work = {}, {}
     for size in (g for g in range(2, world + 1) if world % g == 0) if grouped else ():
         # groups of consecutive ranks (as a TP group, or a shard group of HSDP), all of them busy at once
-        group = dist.group.WORLD if size == world else dist.new_subgroups(size)[0]
-        calibrated[size] = {c: _fit(c, device, group) for c in COLLECTIVES}
+        mesh = (init_device_mesh(device.type, (world,)) if size == world else
+                init_device_mesh(device.type, (world // size, size), mesh_dim_names=("outer", "inner"))["inner"])
+        calibrated[size] = {c: _fit(c, device, mesh.get_group()) for c in COLLECTIVES}
+        host_work[size] = {"fsdp2 unit": _fsdp2_unit_work(mesh, device), **_tp_module_work(mesh, device)}
     measured = torch.zeros(len(dtypes) + 3, dtype=torch.float64)
     if rank == 0:
         for i, dtype in enumerate(dtypes):
@@ -245,10 +269,49 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     return Hardware(
         name="calibrated", matmul_flops={str(d).removeprefix("torch."): float(measured[i]) for i, d in enumerate(dtypes)},
         memory_bandwidth=float(measured[-3]), elementwise_seconds=float(measured[-2]),
-        nonlinearity_seconds=float(measured[-1]), calibrated=calibrated, cores=cores,
+        nonlinearity_seconds=float(measured[-1]), calibrated=calibrated, host_work=host_work, cores=cores,
         overlap=device.type == "cuda", calibrated_world_size=world,
         source=f"calibrate() on {world} rank(s), {device.type}",
     )
+
+
+def _fsdp2_unit_work(mesh, device: torch.device) -> tuple[float, float]:
+    """(seconds per unit, per parameter) that FSDP2 adds to a micro-batch's forward and backward of one unit under
+    no_sync (its gathers for both passes, its hooks, its copies), beyond the same tiny layers unsharded: units of 2
+    and 16 parameters of 8 x 8, timed alone."""
+    added = {}
+    for layers in (1, 8):
+        unit, plain = (nn.Sequential(*[nn.Linear(8, 8, device=device) for _ in range(layers)]) for _ in range(2))
+        root = nn.Sequential(unit)  # the unit inside a root without parameters of its own, as a model's layers
+        fully_shard(unit, mesh=mesh)
+        fully_shard(root, mesh=mesh)
+        root.set_requires_gradient_sync(False)
+        x = torch.randn(4, 8, device=device)
+        added[2 * layers] = (_slowest_median(lambda: root(x).sum().backward())
+                             - _slowest_median(lambda: plain(x).sum().backward()))
+    per_parameter = max((added[16] - added[2]) / 14, 0.0)
+    return max(added[2] - 2 * per_parameter, 0.0), per_parameter
+
+
+def _tp_module_work(mesh, device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per TP style, (seconds per module, 0) that DTensor adds to a micro-batch's forward and backward of one
+    TP-split 8 x 8 linear (its redistributions and collectives, its dispatch), beyond the same linear plain."""
+    size = mesh.size()
+    styles = {"colwise": (ColwiseParallel, 8), "colwise, gathered": (lambda: ColwiseParallel(output_layouts=Replicate()), 8),
+              "rowwise": (RowwiseParallel, 8 // size), "rowwise, from replicated": (
+                  lambda: RowwiseParallel(input_layouts=Replicate()), 8)}
+    work = {}
+    if 8 % size:
+        return work
+    plain = nn.Linear(8, 8, device=device)
+    x_plain = torch.randn(4, 8, device=device, requires_grad=True)
+    alone = _slowest_median(lambda: plain(x_plain).sum().backward())
+    for style, (make, width) in styles.items():
+        module = nn.Sequential(nn.Linear(8, 8, device=device))
+        parallelize_module(module, mesh, {"0": make()})
+        x = torch.randn(4, width, device=device, requires_grad=True)
+        work[style] = (max(_slowest_median(lambda: module(x).sum().backward()) - alone, 0.0), 0.0)
+    return work
 
 
 def _fit(collective: str, device: torch.device, group) -> LinkCost:
@@ -289,6 +352,8 @@ def _one_call(collective: str, size: int, device: torch.device, group):
 
 
 def _slowest_median(call) -> float:
+    """The median over repeats of the slowest rank's time per call, every rank starting together (the groups
+    of one size run at once; the slowest rank of the world decides)."""
     call()  # warm-up: buffers, connections
     times = []
     for _ in range(_REPEATS):

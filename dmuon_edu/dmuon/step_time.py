@@ -277,6 +277,8 @@ class Collective:
     prefetched: bool = True
     nodes: int = 1
     counted: bool = True
+    issued_by: str = ""  # "fsdp2" (a unit's gather) or a TP style: the framework whose host work comes with it
+    parameters: int = 0  # the parameters FSDP2's gathers carry, summed over the calls
 
 
 @dataclass(frozen=True)
@@ -348,8 +350,8 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
 
     ranks = [_collectives(workload, layout, grid, micro_batches, r, plan, hardware.ranks_per_node)
              for r in _representative_ranks(layout, grid)]
-    seconds = [{id(c): hardware.collective_seconds(c.collective, c.calls, c.bytes, c.group_size, c.nodes)
-                for c in cs} for cs in ranks]
+    seconds = [{id(c): hardware.collective_seconds(c.collective, c.calls, c.bytes, c.group_size, c.nodes,
+                                                   _host_work(c, hardware)) for c in cs} for cs in ranks]
     slowest = max(range(len(ranks)), key=lambda i: sum(seconds[i].values()))
     collectives, cost = ranks[slowest], seconds[slowest]
 
@@ -366,6 +368,17 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
     else:
         total = compute + _exposed(collectives, cost, forward, backward, micro_batches)
     return StepTime(phases, total, collectives, balance)
+
+
+def _host_work(c: Collective, hardware: Hardware) -> float | None:
+    """The fixed cost of ``c``'s calls where calibrate() measured the framework that issues them: an FSDP2 unit's
+    host work per micro-batch comes with its two gathers (half with each), a TP module's with its collectives."""
+    if c.issued_by == "fsdp2":
+        return hardware.framework_seconds("fsdp2 unit", c.group_size, c.calls / 2, c.parameters / 2)
+    if c.issued_by:
+        per_module = len(list(_tp_activation_collectives(c.issued_by, 0, 0)))
+        return hardware.framework_seconds(c.issued_by, c.group_size, c.calls / per_module)
+    return None
 
 
 def _exposed(collectives, cost, forward, backward, micro_batches) -> float:
@@ -526,13 +539,15 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
             rows = math.ceil(shape[0] / grid.shards) * grid.shards
             return rows * math.prod(shape[1:]) * size
         unit_bytes = {u: sum(padded(n) for n in sym if _unit_of(n) == u) for u in units}
+        unit_parameters = Counter(_unit_of(n) for n in sym)
         fsdp_units = [u for u in units if unit_bytes[u]]
         stride = grid.tp
         gathered_forward = sum(unit_bytes[u] for u in fsdp_units)
         gathered_backward = sum(unit_bytes[u] for u in fsdp_units if u)
-        add("FSDP2 gathers", "all_gather", N * len(fsdp_units), N * gathered_forward, grid.shards, "forward", stride)
+        add("FSDP2 gathers", "all_gather", N * len(fsdp_units), N * gathered_forward, grid.shards, "forward", stride,
+            issued_by="fsdp2", parameters=N * sum(unit_parameters[u] for u in fsdp_units))
         add("FSDP2 gathers", "all_gather", N * sum(1 for u in fsdp_units if u), N * gathered_backward, grid.shards,
-            "backward", stride)
+            "backward", stride, issued_by="fsdp2", parameters=N * sum(unit_parameters[u] for u in fsdp_units if u))
         add("gradient reduces", "reduce_scatter", len(fsdp_units), gathered_forward, grid.shards, "backward", stride)
         add("gradient reduces", "all_reduce", len(fsdp_units), gathered_forward / grid.shards, grid.replicas,
             "backward", stride * grid.shards)
@@ -590,7 +605,7 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
             out_features, in_features = workload.shapes[f"{module}.weight"]
             for collective, elements, when in _tp_activation_collectives(style, out_features, in_features):
                 add("TP activations", collective, N, N * act * elements, grid.tp, when, counted=False,
-                    prefetched=False)
+                    prefetched=False, issued_by=style)
     return out
 
 

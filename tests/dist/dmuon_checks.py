@@ -1750,7 +1750,8 @@ def check_calibrate():
            matmul_flops=dict(hardware.matmul_flops), memory_bandwidth=hardware.memory_bandwidth,
            elementwise_seconds=hardware.elementwise_seconds, nonlinearity_seconds=hardware.nonlinearity_seconds,
            cores=hardware.cores, calibrated={size: {c: [cost.alpha, cost.beta] for c, cost in costs.items()}
-                                             for size, costs in hardware.calibrated.items()})
+                                             for size, costs in hardware.calibrated.items()},
+           host_work={size: dict(work) for size, work in hardware.host_work.items()})
 
 
 def _planned_bytes(model):
