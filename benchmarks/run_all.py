@@ -217,7 +217,8 @@ def time_model_section(predictions) -> tuple[list[str], str]:
     rows, lines = [], ["## The time model: predicted against measured", "",
                        "dmuon's time model (dmuon_edu/dmuon/step_time.py) predicts every setup's step from a "
                        "calibration made at the start of the same bench_step.py launch (dmuon.calibrate(): each "
-                       "collective alone over message sizes, matmuls and elementwise passes alone; 4 ranks on 2 "
+                       "collective alone over message sizes, the frameworks' own work on tiny modules, matmuls and "
+                       "elementwise passes alone; 4 ranks on 2 "
                        "cores: the model gives each rank cores / ranks of the calibrated one-rank rates). predicted / "
                        "measured within 20% passes; pairs of measured rows more than 10% apart must be predicted in "
                        "the same order.", ""]
