@@ -130,6 +130,7 @@ def test_a_calibration_prices_only_the_groups_it_measured():
     (lambda: dmuon.Workload({"w": (2, 2)}, frozenset(), tokens=0), ValueError, "tokens"),
     (lambda: dmuon.Layout("ddp", "dmuon", replicas=2), ValueError, "HSDP"),
     (lambda: dmuon.Layout("zero", "adamw"), ValueError, "sharding"),
+    (lambda: dmuon.Layout("fsdp2", "dmuon", tp=0), ValueError, "tp must be an int >= 1"),
     (lambda: ns_flops((2, 2, 2)), ValueError, "shape"),
 ])
 def test_bad_input_is_named(call, error, words):

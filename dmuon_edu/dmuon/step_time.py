@@ -49,12 +49,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dmuon_edu.arguments import require_int
 from dmuon_edu.newton_schulz import ns_flops
 
 from .hardware import Hardware
 from .plan import layer_of, plan_owners
 
 __all__ = ["Workload", "Layout", "LAYOUTS", "MODELS", "StepTime", "Collective", "predict_step", "planned_collectives",
+           "counted",
            "attention_flops_per_token", "activation_entries_per_token", "transformer"]
 
 ADAMW_BYTES_PER_ENTRY = 28  # fp32: read parameter, gradient, two moments; write parameter and moments
@@ -113,8 +115,7 @@ class Workload:
             if name not in self.shapes or len(self.shapes[name]) != 2:
                 raise ValueError(f"dedicated matrix {name} is not a 2-D entry of shapes: name each Muon matrix as "
                                  "model.named_parameters() does")
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-            raise ValueError(f"tokens must be an int >= 1 (per micro-batch per data-parallel rank), got {self.tokens!r}")
+        require_int("tokens", self.tokens, minimum=1, hint="tokens per micro-batch per data-parallel rank")
         for module, style in self.tensor_parallel.items():
             if style not in TP_STYLES:
                 raise ValueError(f"{module}: tensor_parallel styles are {', '.join(TP_STYLES)}, got {style!r}")
@@ -231,6 +232,8 @@ class Layout:
             raise ValueError(f"sharding must be 'fsdp2' or 'ddp', got {self.sharding!r}")
         if self.optimizer not in ("adamw", "muon", "dmuon"):
             raise ValueError(f"optimizer must be 'adamw', 'muon' or 'dmuon', got {self.optimizer!r}")
+        require_int("replicas", self.replicas, minimum=1, hint="1 for no HSDP")
+        require_int("tp", self.tp, minimum=1, hint="1 for no tensor parallelism")
         if self.replicas > 1 and self.sharding != "fsdp2":
             raise ValueError("replicas > 1 is HSDP, which is fully_shard on a 2-D mesh: use sharding='fsdp2'")
         if self.replicas > 1 and self.tp > 1:
@@ -291,14 +294,16 @@ class StepTime:
     collectives: list[Collective]
     ns_balance: float
 
-    def counted(self) -> dict[str, tuple[int, int]]:
-        """{collective: (calls, bytes)} as count_comm counts them on this rank in one step."""
-        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for c in self.collectives:
-            if c.counted and c.calls:
-                totals[c.collective][0] += c.calls
-                totals[c.collective][1] += c.bytes
-        return {name: (calls, nbytes) for name, (calls, nbytes) in totals.items()}
+
+def counted(collectives: Sequence[Collective]) -> dict[str, list[int]]:
+    """{collective: [calls, bytes]} of ``collectives`` (:func:`planned_collectives`, ``StepTime.collectives``) as
+    count_comm counts them on this rank in one step: those it sees."""
+    totals: dict[str, list[int]] = {}
+    for c in collectives:
+        if c.counted and c.calls:
+            calls, nbytes = totals.get(c.collective, [0, 0])
+            totals[c.collective] = [calls + c.calls, nbytes + c.bytes]
+    return totals
 
 
 def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_batches: int, hardware: Hardware,
@@ -319,11 +324,12 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
         The :class:`StepTime` of the slowest rank.
 
     Raises:
-        ValueError: a world size the layout's degrees do not divide, or a hardware without a needed rate.
+        TypeError: a world size or micro-batch count that is not an int.
+        ValueError: a world size the layout's degrees do not divide, a count below 1, or a hardware without a
+            needed rate.
     """
     grid = _Grid.of(layout, world_size)
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    require_int("micro_batches", micro_batches, minimum=1)
     if ns_backend not in ("gram", "direct"):
         raise ValueError(f"ns_backend must be 'gram' or 'direct', got {ns_backend!r}")
     on_node = min(world_size, hardware.ranks_per_node or world_size)
@@ -349,7 +355,7 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
     optimizer = _optimizer_bytes(workload, layout, grid, plan) / (hardware.memory_bandwidth * share)
 
     ranks = [_collectives(workload, layout, grid, micro_batches, r, plan, hardware.ranks_per_node)
-             for r in _representative_ranks(layout, grid)]
+             for r in _representative_ranks(grid)]
     seconds = [{id(c): hardware.collective_seconds(c.collective, c.calls, c.bytes, c.group_size, c.nodes,
                                                    _host_work(c, hardware)) for c in cs} for cs in ranks]
     slowest = max(range(len(ranks)), key=lambda i: sum(seconds[i].values()))
@@ -410,8 +416,7 @@ class _Grid:
 
     @classmethod
     def of(cls, layout: Layout, world: int) -> _Grid:
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world!r}")
+        require_int("world_size", world, minimum=1)
         if world % (layout.tp * layout.replicas):
             raise ValueError(f"world_size {world} is not a multiple of tp ({layout.tp}) x replicas "
                              f"({layout.replicas}): pick a world size the layout's degrees divide")
@@ -419,7 +424,7 @@ class _Grid:
         return cls(world, layout.tp, dp, dp // layout.replicas, layout.replicas)
 
 
-def _representative_ranks(layout: Layout, grid: _Grid) -> range:
+def _representative_ranks(grid: _Grid) -> range:
     """Ranks whose collectives differ: by shard index under HSDP (its stage 2 and publish), by DP and TP index
     under TP (the TP gathers); otherwise every rank counts the same calls and bytes."""
     return range(grid.shards * grid.tp) if grid.replicas > 1 or grid.tp > 1 else range(1)
@@ -502,10 +507,8 @@ def planned_collectives(workload: Workload, layout: Layout, *, world_size: int, 
         ranks_per_node: ranks per node, for the nodes a group spans (None: one node).
     """
     grid = _Grid.of(layout, world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    require_int("rank", rank, minimum=0, maximum=world_size - 1)
+    require_int("micro_batches", micro_batches, minimum=1)
     plan = _owners(workload, layout, grid) if layout.optimizer == "dmuon" else None
     return _collectives(workload, layout, grid, micro_batches, rank, plan, ranks_per_node)
 

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 import check_channel
 from dmuon_edu import distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
+from dmuon_edu.dmuon import step_time
 from dmuon_edu.dmuon.names import fqn
 from dmuon_edu.dmuon.placeholder import is_resident
 from dmuon_edu.newton_schulz import newton_schulz
@@ -1733,12 +1734,8 @@ def time_model_counts(layout, counter, clip_counter, tp=False):
     counted = {name: [counter.calls[name] - clip_counter.calls.get(name, 0),
                       counter.bytes[name] - clip_counter.bytes.get(name, 0)] for name in counter.calls}
     workload = dmuon.Workload.from_model(Net(), predicate, tokens=1, tensor_parallel=TP_STYLES if tp else {})
-    planned = {}
-    for c in dmuon.planned_collectives(workload, layout, world_size=dist.get_world_size(), micro_batches=K,
-                                       rank=dist.get_rank()):
-        if c.counted:
-            calls, nbytes = planned.get(c.collective, [0, 0])
-            planned[c.collective] = [calls + c.calls, nbytes + c.bytes]
+    planned = step_time.counted(dmuon.planned_collectives(workload, layout, world_size=dist.get_world_size(),
+                                                          micro_batches=K, rank=dist.get_rank()))
     return {"counted": {k: v for k, v in counted.items() if v[0]}, "planned": planned}
 
 
