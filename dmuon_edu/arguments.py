@@ -8,6 +8,7 @@ for one of the right kind out of range. ``hint`` is the "what to do" part, appen
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Iterable
@@ -69,6 +70,17 @@ def require_callable(name: str, value: object, hint: str) -> None:
     """Raise TypeError unless ``value`` can be called."""
     if not callable(value):
         raise TypeError(_hinted(f"{name} must be callable, got {describe(value)}", hint))
+
+
+def require_called_as(name: str, value: object, call: str, arguments: tuple, hint: str) -> None:
+    """Raise TypeError unless ``value`` can be called with ``arguments`` (``call`` shows how it will be)."""
+    require_callable(name, value, hint)
+    try:
+        inspect.signature(value).bind(*arguments)
+    except TypeError:
+        raise TypeError(f"{name} is called as {call}, but it takes {inspect.signature(value)}; {hint}") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
 
 
 def require_module(caller: str, value: object, hint: str = "") -> None:

@@ -26,6 +26,14 @@ tensor has been read, so a load that raises leaves ``state``, and the model whos
 it holds, exactly as they were. Every error of a save or a load is a
 :class:`CheckpointError`. ``latest(root)`` finds the highest step among the checkpoints
 that verify. Works in one process without a process group too (single-device loops).
+
+A checkpoint is trusted code, whatever its marker says: torch.distributed.checkpoint
+unpickles its ``.metadata`` file, and unpickling runs whatever code the file names. The
+checksums catch a storage error, not an attacker who can write the directory; load only
+checkpoints that you or your job wrote. The marker never makes the loader read a file but
+the checkpoint's own: a name that is absolute, climbs out with ``..``, or is not a
+regular file inside the directory once symlinks are resolved (``/dev/zero``, a FIFO, a
+link to a file elsewhere) makes the marker corrupt.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import hashlib
 import json
 import numbers
 import os
+import stat
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,9 +104,12 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int | None = N
     Raises:
         TypeError: ``state`` is not a dict, ``path`` is not a path, or ``step`` is not an int.
         ValueError: ``step`` is negative.
-        CheckpointError: torch.distributed.checkpoint could not write the files, or a
-            written file could not be read back (the disk is full, the storage failed);
-            the directory has no marker, so :func:`load` refuses it.
+        CheckpointError: ``path`` or a directory above it is a file; an entry of
+            ``state`` is empty on some ranks and not on others (a state dict gathered to
+            rank 0 only: save ``StateDictOptions()``'s sharded state dicts), checked
+            before anything is written; torch.distributed.checkpoint could not write the
+            files, or a written file could not be read back (the disk is full, the
+            storage failed): the directory then has no marker, so :func:`load` refuses it.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of state dicts, e.g. {{'model': ..., 'optim': ...}}; got {type(state).__name__}")
@@ -106,6 +118,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int | None = N
     if step is not None and step < 0:
         raise ValueError(f"step must be >= 0, the training step the state is at; got {step}")
     path = _path("path", path)
+    _require_directory_path(path)
+    _require_state_on_every_rank(state, path)
     if _rank() == 0:
         (path / MARKER).unlink(missing_ok=True)  # from now on, until the end, this is not a good checkpoint
         path.mkdir(parents=True, exist_ok=True)
@@ -130,6 +144,35 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int | None = N
             os.fsync(f.fileno())
         os.replace(partial, path / MARKER)
     _barrier()  # nobody reads it back before it is marked
+
+
+def _require_directory_path(path: Path) -> None:
+    """Refuse a checkpoint path that is a file or lies under one (every rank sees the same file system)."""
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "is a file" if place == path else f"lies under {place}, which is a file"
+                raise CheckpointError(f"cannot save a checkpoint at {path}: it {where}, and a checkpoint is a "
+                                      "directory; choose a path whose existing parts are directories")
+            return
+
+
+def _require_state_on_every_rank(state: dict[str, Any], path: Path) -> None:
+    """Refuse a state with an entry that is empty on some ranks and not on others, before anything is written.
+
+    That is a state dict gathered to rank 0 only (``rank0_only``, the public dmuon's default
+    for a full state dict): saved, it would be marked complete, and the resume would find
+    nothing for the other ranks.
+    """
+    empty_on = _from_every_rank(sorted(key for key, value in state.items() if isinstance(value, dict) and not value))
+    for key in state:
+        empty = [rank for rank, keys in enumerate(empty_on) if key in keys]
+        if empty and len(empty) < len(empty_on):
+            raise CheckpointError(
+                f"cannot save {path}: state[{key!r}] is empty on rank(s) {', '.join(map(str, empty))} and not on the "
+                "others, as a state dict gathered to rank 0 only is (rank0_only, the default of a full state dict). "
+                "Saved, it would be marked complete and the resume would find nothing for those ranks. Save the "
+                "sharded state dicts of dmuon.StateDictOptions(), which every rank holds its part of")
 
 
 def load(state: dict[str, Any], path: str | os.PathLike | None) -> None:
@@ -274,10 +317,32 @@ def _read_marker(path: Path) -> tuple[dict[str, Any], str | None]:
     digests = marker.get("sha256") if isinstance(marker, dict) else None
     if not (isinstance(digests, dict) and digests and all(isinstance(d, str) for d in digests.values())):
         return {}, "lists no file checksums: checkpoint.save did not write it"
+    for name in digests:
+        outside = _outside_the_checkpoint(path, name)
+        if outside:
+            return {}, (f"lists {name!r}, which {outside}: a marker lists only the checkpoint's own files, so "
+                        "checkpoint.save did not write it (nothing was read)")
     step = marker.get("step")
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         return {}, f"holds {step!r} as its step, not an int >= 0: checkpoint.save did not write it"
     return marker, None
+
+
+def _outside_the_checkpoint(directory: Path, name: str) -> str | None:
+    """Why the marker's entry ``name`` is not a file of the checkpoint's own, or None if it is one (or is missing,
+    which the checksums then report). Nothing is read: a device or a FIFO would never end."""
+    relative = Path(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        return "is not a plain name inside the checkpoint directory (an absolute path, or '..')"
+    try:
+        resolved = (directory / relative).resolve()
+        if not resolved.is_relative_to(directory.resolve()):
+            return f"leads outside the checkpoint directory (to {resolved}) through a symlink"
+        if resolved.exists() and not stat.S_ISREG(resolved.stat().st_mode):
+            return "is not a regular file (a directory, a device or a FIFO)"
+    except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError before Python 3.13
+        return f"cannot be resolved ({error})"
+    return None
 
 
 def _older_format(marker: object) -> bool:

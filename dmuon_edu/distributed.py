@@ -24,10 +24,15 @@ still refers to the group, so the interpreter's exit is where it happens.
 :func:`barrier` all-reduces a tensor of its own instead, then waits, with the GIL
 released, until the worker has dropped that work, and a moment more for the other
 worker (benchmarks/README.md has the core dumps' stacks and the rates measured).
+A script that ends as torch's examples do (``destroy_process_group()`` after its last
+collective) gets the same moment from :func:`release_gloo_workers_at_exit`, which dmuon
+registers for a gloo group: an atexit handler, and atexit handlers run before the
+interpreter begins to finalize.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import math
@@ -41,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Ranks", "session", "barrier", "print0", "count_collectives", "CollectiveCounts", "COLLECTIVE_TIMEOUT_S"]
+__all__ = ["Ranks", "session", "barrier", "release_gloo_workers_at_exit", "print0", "count_collectives",
+           "CollectiveCounts", "COLLECTIVE_TIMEOUT_S"]
 
 # Every collective wait gives up after this long instead of hanging forever.
 COLLECTIVE_TIMEOUT_S = 60
@@ -51,6 +57,10 @@ _BARRIER_TENSORS: dict[tuple[str, torch.device], torch.Tensor] = {}
 # How long barrier() waits for gloo's workers to drop their works: at most, and then a moment more.
 _RELEASE_WAIT_S = 5.0
 _RELEASE_GRACE_S = 0.05
+# How long the atexit handler of release_gloo_workers_at_exit() leaves the GIL to gloo's workers: it cannot see
+# which work is still held, so it gives a worker that was told "done" but not yet scheduled several time slices.
+_EXIT_GRACE_S = 0.2
+_exit_handler_registered = False
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,7 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
 
     Raises:
         RuntimeError: the script was not started by torchrun (no ``RANK`` in the
-            environment).
+            environment, or ``RANK`` without ``WORLD_SIZE``, ``MASTER_ADDR`` or ``MASTER_PORT``).
         ValueError: ``timeout_s`` is not a positive, finite number.
     """
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
@@ -98,6 +108,13 @@ def session(timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator[Ranks]:
         raise RuntimeError(
             "not started by torchrun: run this script with dmuon_edu.launch.torchrun(path, nproc=2) "
             "or `torchrun --nproc-per-node=2 script.py`"
+        )
+    missing = [name for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"RANK is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a launcher other than "
+            "torchrun, or a RANK left in the environment. Start the script with torchrun (it sets them all), or set "
+            "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -149,6 +166,20 @@ def _let_gloo_workers_release(tensor: torch.Tensor) -> None:
     while tensor._use_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(_RELEASE_GRACE_S)
+
+
+def release_gloo_workers_at_exit() -> None:
+    """Before the interpreter finalizes, give gloo's workers 0.2 s, with the GIL released, to drop their
+    last works, so that a rank does not abort at its exit (see the module docstring).
+
+    Registers one atexit handler per process, however often it is called; dmuon calls it
+    when it is set up on a gloo group. It does not wait for anything to finish: a script's
+    collectives are done when it exits, and only the release of their works remains.
+    """
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(time.sleep, _EXIT_GRACE_S)
+        _exit_handler_registered = True
 
 
 def print0(*args, **kwargs) -> None:

@@ -58,6 +58,8 @@ _JOB_VARIABLE = "DMUON_EDU_LAUNCH"
 # operation timeout".
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting|timeout caused pair closure|collective operation timeout", re.I)
 _SOURCE_LOCATION = re.compile(r"\[[^\]]+\.(?:cc|cpp|h):\d+\] ")
+# gloo's words on a rank whose peer process ended (returned early, exited) while it waited for that peer.
+_PEER_CLOSED = re.compile(r"Connection (?:closed|reset) by peer")
 # An exception thrown on one of gloo's own threads reaches std::terminate, which prints these two lines and aborts:
 #   terminate called after throwing an instance of 'gloo::EnforceNotMet'
 #     what():  [enforce fail at .../gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4.
@@ -84,6 +86,13 @@ class RankFailedError(RuntimeError):
             message = (f"{who} failed: a collective timed out ({_SOURCE_LOCATION.sub('', exception)}). {others} "
                        "(it hangs, or waits in a different collective); the wait limit is "
                        "distributed.session(timeout_s=...)")
+        elif _PEER_CLOSED.search(exception):
+            others = (f"rank{'s' * (len(silent_ranks) > 1)} {', '.join(map(str, silent_ranks))} raised nothing"
+                      if silent_ranks else "no other rank raised")
+            message = (f"{who} failed: a peer closed its connection while {who} waited in a collective "
+                       f"({_SOURCE_LOCATION.sub('', exception)}). {others}: a rank that ended first, returning early "
+                       "(a rank-0-only branch that returns, a loop of fewer steps) or exiting, left it waiting. "
+                       f"The failing rank is not the cause: make every rank run the same collectives to the end")
         super().__init__(message)
 
 

@@ -50,7 +50,8 @@ class Muon(torch.optim.Optimizer):
         momentum: :math:`\mu` in [0, 1).
         nesterov: use :math:`U = G + \mu B` rather than :math:`U = B`.
         weight_decay: :math:`\lambda` (>= 0), decoupled: W shrinks by a factor 1 - lr * wd.
-        adjust_lr_fn: "original" or "match_rms_adamw", the shape factor s(m, n).
+        adjust_lr_fn: "original" or "match_rms_adamw", the shape factor s(m, n); None is
+            "original", as in torch.optim.Muon.
         ns_steps: Newton-Schulz steps (1 to newton_schulz.MAX_STEPS), Keller Jordan's coefficients.
         ns_dtype: precision of the Newton-Schulz products. ``"auto"`` takes
             newton_schulz.fast_dtype of each parameter's device: bf16 where the
@@ -126,7 +127,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
-        adjust_lr_fn: str = "original",
+        adjust_lr_fn: str | None = "original",
         ns_steps: int = 5,
         ns_dtype: torch.dtype | str = "auto",
     ) -> None:
@@ -301,7 +302,7 @@ class Muon(torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         if wd != 0:
             p.mul_(1 - lr * wd)
-        p.add_(o, alpha=-lr * ADJUST_LR_FNS[group["adjust_lr_fn"]](*p.shape))
+        p.add_(o, alpha=-lr * ADJUST_LR_FNS[group["adjust_lr_fn"] or "original"](*p.shape))
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -422,9 +423,10 @@ def check_hyperparameters(h: dict) -> None:
         )
     if not isinstance(h["nesterov"], bool):
         raise TypeError(f"nesterov must be True or False, got {type(h['nesterov']).__name__}")
-    if not isinstance(h["adjust_lr_fn"], str):
-        raise TypeError(f"adjust_lr_fn must be a string, got {type(h['adjust_lr_fn']).__name__}")
-    if h["adjust_lr_fn"] not in ADJUST_LR_FNS:
+    if h["adjust_lr_fn"] is not None and not isinstance(h["adjust_lr_fn"], str):
+        raise TypeError(f"adjust_lr_fn must be a string or None (torch.optim.Muon's name for 'original'), got "
+                        f"{type(h['adjust_lr_fn']).__name__}")
+    if h["adjust_lr_fn"] is not None and h["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(
             f"unknown adjust_lr_fn {h['adjust_lr_fn']!r}; use one of {sorted(ADJUST_LR_FNS)}"
         )

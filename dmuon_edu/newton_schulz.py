@@ -78,6 +78,7 @@ matmul ran at 0.46 GFLOP/s against 22 in float32, and a 1024 x 1024 bf16 Newton-
 call took 26.5 s against 0.3 s.
 """
 
+import functools
 import math
 import os
 import platform
@@ -94,6 +95,7 @@ __all__ = [
     "cpu_bf16_flags",
     "check_ns_dtype",
     "check_ns_steps",
+    "check_coefficients",
     "overlaps_itself",
     "batching_pays",
     "MAX_STEPS",
@@ -295,14 +297,15 @@ def newton_schulz(
             ``steps``, ``coefficients``, ``dtype`` (a string other than "auto" included),
             ``overwrite_input`` or ``gram_space`` has the wrong type.
         ValueError: ``steps`` is not between 1 and MAX_STEPS, ``eps`` is negative or not
-            finite, a coefficient is not finite, a coefficient name is unknown, the batch is
+            finite, a coefficient is not finite or the set does not keep singular values
+            bounded (check_coefficients), a coefficient name is unknown, the batch is
             empty, a matrix is not 2-D, a batch mixes shapes or devices, or
             ``overwrite_input`` is True for a G whose entries share memory.
     """
     check_ns_steps(steps, "steps")
     check_ns_dtype(dtype, "dtype")
     require_real("eps", eps, positive=False, hint="1e-7 is the usual value")
-    per_step = _per_step_coefficients(coefficients, steps)
+    per_step = check_coefficients(coefficients, steps)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {type(overwrite_input).__name__}")
     if not isinstance(gram_space, bool):
@@ -445,7 +448,25 @@ def _iterate(X: torch.Tensor, per_step: list[Coefficients], gram_space: bool = T
     return X.mT if tall else X
 
 
-def _per_step_coefficients(coefficients, steps: int) -> list[Coefficients]:
+# A set whose steps take a normalised matrix's singular values (all in [0, 1]) above this diverges: every
+# published set peaks below 2 (Polar Express's first step), and one that reaches 100 overflows within a few steps.
+_DIVERGED = 100.0
+# The singular values the scalar check follows through the steps: evenly over [0, 1] and log-spaced near 0.
+_PROBES = tuple(k / 200 for k in range(201)) + tuple(10.0 ** (-k / 10) for k in range(10, 61))
+
+
+def check_coefficients(coefficients, steps: int) -> list[Coefficients]:
+    """``steps`` (a, b, c) tuples, one per step (the last repeated), from a set's name, one tuple or a sequence.
+
+    Refuses a set that cannot orthogonalise: one with a non-finite number, or one whose
+    polynomials, followed step by step on singular values in [0, 1] (where the
+    normalised matrix's lie), leave [-100, 100] (1e30 as a coefficient would make the
+    update, and then the weights, non-finite at the first step).
+
+    Raises:
+        TypeError: ``coefficients`` is none of the three forms.
+        ValueError: an unknown name, a non-finite number, or a diverging set.
+    """
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(
@@ -464,7 +485,23 @@ def _per_step_coefficients(coefficients, steps: int) -> list[Coefficients]:
         )
     if not all(math.isfinite(v) for t in tuples for v in t):
         raise ValueError(f"coefficients must be finite numbers, got {coefficients!r}; 'jordan' is the usual set")
-    return [tuples[min(k, len(tuples) - 1)] for k in range(steps)]
+    per_step = [tuples[min(k, len(tuples) - 1)] for k in range(steps)]
+    _require_bounded(tuple(per_step))
+    return per_step
+
+
+@functools.lru_cache(maxsize=64)
+def _require_bounded(per_step: tuple[Coefficients, ...]) -> None:
+    values = _PROBES
+    for k, (a, b, c) in enumerate(per_step):
+        values = tuple(s * (a + s * s * (b + c * s * s)) for s in values)
+        peak = max(map(abs, values))
+        if not peak <= _DIVERGED:  # also NaN, from inf - inf
+            raise ValueError(
+                f"coefficients {per_step[k]} at step {k + 1} take a normalised matrix's singular values (in [0, 1]) "
+                f"to {peak:.3g}, beyond {_DIVERGED:g}: such a set diverges and would make the update, then the "
+                "weights, non-finite. Use a published set ('jordan', 'you', 'polar_express') or check the numbers"
+            )
 
 
 def _is_triple(x) -> bool:

@@ -173,6 +173,54 @@ AUDIT = {
         CORRECT, "test_bad_input::test_a_checkpoint_of_the_older_save_loads_with_a_warning_and_latest_says_why_it_passes_over_it"),
     "ranks with different numbers of micro-batches end at the collective timeout, unnamed": (
         CLEAR_ERROR, "test_dmuon::test_ranks_with_windows_of_different_lengths_are_told_so_at_the_first_forward_where_they_part"),
+    # Part 3. Native aborts:
+    "a 4-rank job that ends as torch's examples do aborts at exit 1 time in 12 (gloo's worker meets finalization)": (
+        CORRECT, "test_dmuon::test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process"),
+    # Part 3. Checkpoints that read outside themselves:
+    "a marker listing /dev/zero hangs checkpoint.load": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.load/marker_lists_dev_zero]"),
+    "a marker listing ../outside.txt makes load read a file outside the checkpoint": (
+        CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.load/marker_lists_a_file_above]"),
+    "a marker listing a symlink out of the checkpoint": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.load/marker_lists_a_symlink_out]"),
+    "a marker listing a FIFO": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.load/marker_lists_a_fifo]"),
+    "latest() reads and hashes files outside the checkpoints": (
+        CORRECT, "test_bad_input::test_latest_passes_over_a_marker_that_lists_files_outside_and_reads_none_of_them"),
+    "checkpoint.save under an existing file: a raw NotADirectoryError": (
+        CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.save/path_under_a_file]"),
+    "checkpoint.save of a state gathered to rank 0 only is marked COMPLETE": (
+        CLEAR_ERROR, "test_dmuon::test_checkpoint_save_refuses_a_state_gathered_to_rank_0_only_on_every_rank"),
+    # Part 3. Silent results:
+    "set_optimizer_state_dict copies a saved group's use_muon over another route": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.set_optimizer_state_dict/a_group_of_another_route]"),
+    "model.state_dict() under TP saves 0-element shards on a non-owner": (
+        CLEAR_ERROR, "test_dmuon::test_a_plain_state_dict_under_tensor_parallelism_is_refused_by_name_on_every_rank"),
+    "a param_policy override with a misspelt name is ignored": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon/param_policy_override_matches_nothing]"),
+    "NewtonSchulz(coefficients=[(nan, 0, 0)]) is accepted": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.NewtonSchulz/nan_coefficient]"),
+    "coefficients of 1e30 leave non-finite weights after one step": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.NewtonSchulz/diverging_coefficients]"),
+    "newton_schulz with coefficients of 1e30 returns Inf": (CLEAR_ERROR, f"{BAD_INPUT}[newton_schulz/diverging_coefficients]"),
+    "summarize_param_groups(model_b, optimizer_of_a) reports b with a's groups": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.summarize_param_groups/optimizer_of_another_model]"),
+    "summarize_param_groups of a torch AdamW: a raw KeyError": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon.summarize_param_groups/a_torch_adamw]"),
+    "compute_dtype=torch.int8 is accepted and fails in the forward": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon/compute_dtype_int8]"),
+    "python -m dmuon_edu.course execute 99 exits 0 having done nothing": (
+        CLEAR_ERROR, "test_course::test_execute_of_an_unknown_module_is_refused_and_executes_nothing"),
+    "a NaN step on the DDP backend warns falsely that torch's clip scaled part of the gradient": (
+        CORRECT, "test_reliability::test_non_finite_gradients_skip_the_step_on_every_rank[inf_input_ddp]"),
+    # Part 3. Unclear errors:
+    "a TP model of degree 1 is refused recommending the call that raised": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon/tensor_parallel_of_degree_one]"),
+    "a (name, param) hook_boundary_predicate: a raw TypeError": (
+        CLEAR_ERROR, f"{BAD_INPUT}[dmuon/hook_boundary_predicate_of_name_and_param]"),
+    "a rank that returns early is reported as the peer it left behind": (
+        CLEAR_ERROR, "test_bad_input::test_a_rank_that_returned_early_is_named_as_the_cause_not_the_rank_it_left_waiting"),
+    "session() with RANK but no WORLD_SIZE: a bare KeyError": (CLEAR_ERROR, f"{BAD_INPUT}[session/rank_without_world_size]"),
+    "MarkovSource.random(100_000) asks the allocator for 80 GB": (
+        CLEAR_ERROR, f"{BAD_INPUT}[MarkovSource.random/a_hundred_thousand_tokens]"),
+    "a non-finite clip error says 'inf', not 'non-finite'": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.clip_grad_norm_/non_finite_norm]"),
+    "adjust_lr_fn=None is refused though torch.optim.Muon takes it": (
+        CORRECT, "test_bad_input::test_adjust_lr_fn_none_is_torchs_original"),
 }
 
 

@@ -15,6 +15,7 @@ in tests/test_data_parallel.py.
 
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -26,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import dmuon_edu
 from dmuon_edu import checkpoint, distributed, dmuon, muon
@@ -96,6 +98,35 @@ def optimizer_of_another_model(mesh):
     dmuon.get_optimizer_state_dict(model, dmuon.Muon(other))
 
 
+def a_group_of_another_route_loaded(mesh):
+    model = dedicated(mesh)
+    opt = dmuon.Muon(model)
+    saved = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    saved["param_groups"][0]["use_muon"] = False  # it used to be copied in: the optimizer-form clip then saw nothing
+    dmuon.set_optimizer_state_dict(model, opt, saved)
+
+
+def a_non_finite_gradient_clipped_with_error_if_nonfinite(mesh):
+    model = dedicated(mesh)
+    model(torch.full((2, 4), float("inf"))).sum().backward()
+    dmuon.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+
+
+def tensor_parallel_of_degree_one(mesh):
+    grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = Tiny()
+    parallelize_module(model.layers[0]["up_proj"], grid["tp"], ColwiseParallel())
+    dmuon.dedicate_params(model, grid["dp"], is_dedicated)
+
+
+def session_with_rank_but_no_world_size(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    for name in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with distributed.session():
+        pass
+
+
 def accumulated_and_clipped_with_dmuon(mesh):
     model = dedicated(mesh)
     batch = (torch.randn(3, 4), torch.randn(3, 4))
@@ -129,6 +160,24 @@ def half_written_checkpoint(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / ".metadata").write_bytes(b"")  # what a killed save can leave
     checkpoint.load({"model": {}}, tmp_path / "ckpt")
+
+
+def saved_checkpoint(tmp_path):
+    """A checkpoint of a small model at tmp_path/ckpt, and a file outside it."""
+    checkpoint.save({"model": nn.Linear(2, 2).state_dict()}, tmp_path / "ckpt", step=1)
+    (tmp_path / "outside.txt").write_text("not the checkpoint's")
+    return tmp_path / "ckpt"
+
+
+def marker_listing(tmp_path, name, make=None):
+    """Load a checkpoint whose marker lists ``name`` (made inside it by ``make(path)``) among its files."""
+    path = saved_checkpoint(tmp_path)
+    if make:
+        make(path / name)
+    marker = json.loads((path / checkpoint.MARKER).read_text())
+    marker["sha256"][name] = "0" * 64
+    (path / checkpoint.MARKER).write_text(json.dumps(marker))
+    checkpoint.load({"model": nn.Linear(2, 2).state_dict()}, path)
 
 
 def step_of(model, optimizer, microbatches=None, loss_fn=F.mse_loss, **kwargs):
@@ -435,6 +484,39 @@ CASES = [
      TypeError, "dedicate_params needs a 1-D DeviceMesh as mesh, got NoneType: use init_device_mesh"),
     ("dmuon.clip_grad_norm_/zero_max_norm", lambda mesh: dmuon.clip_grad_norm_(dedicated(mesh), 0.0), ValueError,
      "0 would zero every gradient"),
+    ("dmuon.set_optimizer_state_dict/a_group_of_another_route", a_group_of_another_route_loaded, ValueError,
+     "param group 0 of the optimizer state dict has use_muon=False, this optimizer's group 0 has use_muon=True: "
+     "the state dict's groups are not this optimizer's, and nothing was loaded"),
+    ("dmuon/param_policy_override_matches_nothing", lambda mesh: dmuon.dedicate_params(
+        Tiny(), mesh, is_dedicated, param_policy={"overrides": [{"name": "up_porj", "set": {"route": "adamw"}}]}),
+     ValueError, "param_policy['overrides'][0] (name ['up_porj']) matches none of the parameters the predicate "
+                 "selected, so it would change nothing: is a name misspelt?"),
+    ("dmuon.NewtonSchulz/nan_coefficient", lambda: dmuon.NewtonSchulz(coefficients=[(float("nan"), 0, 0)]),
+     ValueError, "coefficients must be finite numbers"),
+    ("dmuon.NewtonSchulz/diverging_coefficients", lambda: dmuon.NewtonSchulz(coefficients=[(1e30, 0, 0)]),
+     ValueError, "take a normalised matrix's singular values (in [0, 1]) to 1e+30, beyond 100: such a set diverges"),
+    ("newton_schulz/diverging_coefficients", lambda: newton_schulz(torch.eye(3), coefficients=(1e30, 0, 0)),
+     ValueError, "such a set diverges and would make the update, then the weights, non-finite"),
+    ("dmuon.summarize_param_groups/optimizer_of_another_model", lambda mesh: dmuon.summarize_param_groups(
+        dedicated(mesh), dmuon.Muon(dedicated(mesh))), TypeError,
+     "the optimizer is the dmuon.Muon of another model: pass the dmuon.Muon optimizer that was built for this model"),
+    ("dmuon.summarize_param_groups/a_torch_adamw", lambda mesh: dmuon.summarize_param_groups(
+        dedicated(mesh), torch.optim.AdamW(Tiny().parameters())), TypeError,
+     "the optimizer is a AdamW: pass the dmuon.Muon optimizer that was built for this model"),
+    ("dmuon/compute_dtype_int8", lambda mesh: dmuon.dedicate_params(Tiny(), mesh, is_dedicated, compute_dtype=torch.int8),
+     ValueError, "compute_dtype: torch.int8 is not a floating-point dtype"),
+    ("dmuon/tensor_parallel_of_degree_one", tensor_parallel_of_degree_one, ValueError,
+     "on a tensor-parallel mesh of 1 rank (('tp',)), which shards nothing, and dedicate_params takes plain matrices "
+     "then: skip parallelize_module when the TP degree is 1"),
+    ("dmuon/hook_boundary_predicate_of_name_and_param", lambda mesh: dmuon.dedicate_params(
+        Tiny(), mesh, is_dedicated, hook_boundary_predicate=lambda name, p: "layers" in name), TypeError,
+     "hook_boundary_predicate is called as hook_boundary_predicate(module), but it takes (name, p); it takes the module"),
+    ("dmuon.clip_grad_norm_/non_finite_norm", a_non_finite_gradient_clipped_with_error_if_nonfinite, RuntimeError,
+     "the global gradient norm of order 2.0 is non-finite (nan), so it cannot be clipped"),
+    ("session/rank_without_world_size", session_with_rank_but_no_world_size, RuntimeError,
+     "RANK is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    ("MarkovSource.random/a_hundred_thousand_tokens", lambda: MarkovSource.random(100_000), ValueError,
+     "has vocab_size ** (order + 1) = 10,000,000,000 transition probabilities (80.0 GB in float64)"),
     ("dmuon.set_optimizer_state_dict/nan_momentum", nan_momentum_loaded_into_dmuon, ValueError,
      "the momentum buffer of layers.0.up_proj.weight in this optimizer state dict holds NaN or Inf"),
     ("checkpoint.load/missing_directory", lambda tmp_path: checkpoint.load({}, tmp_path / "nope"), FileNotFoundError,
@@ -443,6 +525,19 @@ CASES = [
      "Resume from an earlier checkpoint"),
     ("checkpoint.save/state_not_a_dict", lambda tmp_path: checkpoint.save([1], tmp_path / "c"), TypeError,
      "{'model': ..., 'optim': ...}"),
+    ("checkpoint.save/path_under_a_file", lambda tmp_path: checkpoint.save(
+        {}, saved_checkpoint(tmp_path) / checkpoint.MARKER / "step-2"), checkpoint.CheckpointError,
+     "which is a file, and a checkpoint is a directory; choose a path whose existing parts are directories"),
+    # The marker never makes the loader read a file but the checkpoint's own (it used to hang on /dev/zero).
+    ("checkpoint.load/marker_lists_dev_zero", lambda tmp_path: marker_listing(tmp_path, "/dev/zero"),
+     checkpoint.CorruptCheckpointError, "lists '/dev/zero', which is not a plain name inside the checkpoint directory"),
+    ("checkpoint.load/marker_lists_a_file_above", lambda tmp_path: marker_listing(tmp_path, "../outside.txt"),
+     checkpoint.CorruptCheckpointError, "lists '../outside.txt', which is not a plain name inside the checkpoint"),
+    ("checkpoint.load/marker_lists_a_symlink_out", lambda tmp_path: marker_listing(
+        tmp_path, "link", lambda link: link.symlink_to(link.parent.parent / "outside.txt")),
+     checkpoint.CorruptCheckpointError, "lists 'link', which leads outside the checkpoint directory"),
+    ("checkpoint.load/marker_lists_a_fifo", lambda tmp_path: marker_listing(tmp_path, "pipe", os.mkfifo),
+     checkpoint.CorruptCheckpointError, "lists 'pipe', which is not a regular file (a directory, a device or a FIFO)"),
     # dmuon (one-rank gloo group)
     ("dmuon/dedicate_after_fully_shard", sharded_then_dedicated, RuntimeError,
      "call dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard"),
@@ -735,6 +830,30 @@ def test_a_checkpoint_of_the_older_save_loads_with_a_warning_and_latest_says_why
         assert checkpoint.latest(tmp_path) is None
 
 
+def test_a_rank_that_returned_early_is_named_as_the_cause_not_the_rank_it_left_waiting():
+    # gloo's words on rank 1 when rank 0 returned (exit 0) while rank 1 waited in an all_reduce (measured with a
+    # two-rank script whose rank 0 leaves after its first collective): rank 1 used to be reported as the failure.
+    exception = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                 "[127.0.0.1]:12428. This is typically caused by a remote worker crashing.")
+    message = str(RankFailedError(1, exception, "", silent_ranks=(0,)))
+    assert message.startswith("rank 1 failed: a peer closed its connection while rank 1 waited in a collective "
+                              "(RuntimeError: Connection closed by peer"), message
+    assert "rank 0 raised nothing: a rank that ended first, returning early" in message, message
+    assert "The failing rank is not the cause" in message, message
+
+
+def test_adjust_lr_fn_none_is_torchs_original():
+    # torch.optim.Muon takes None as "original"; it used to be refused here.
+    torch.manual_seed(0)
+    start = torch.randn(6, 3)
+    weights = [nn.Parameter(start.clone()) for _ in range(2)]
+    for w in weights:
+        w.grad = torch.ones(6, 3)
+    muon.Muon([weights[0]], lr=0.1, adjust_lr_fn=None).step()
+    muon.Muon([weights[1]], lr=0.1, adjust_lr_fn="original").step()
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], start)
+
+
 def test_a_timeout_that_closed_the_connection_names_the_silent_rank():
     # gloo's words on a rank whose other wait timed out first and closed the connection (a rank silent in a
     # reduce; tests/test_dmuon.py makes one happen on two ranks).
@@ -750,3 +869,16 @@ def test_inputs_on_another_device_than_the_model_are_named_with_the_move_to_make
     with pytest.raises(ValueError, match=r"the inputs of microbatch 0 are on cpu but the model's parameters are on "
                                          r"cuda:0: move them first, e.g. inputs.to\('cuda:0'\)"):
         step_of(model, sgd(model), [(X, X.cuda())])
+
+
+def test_latest_passes_over_a_marker_that_lists_files_outside_and_reads_none_of_them(tmp_path):
+    good = saved_checkpoint(tmp_path)
+    for step, name in ((2, "/dev/zero"), (3, "../../outside.txt")):
+        path = tmp_path / f"step-{step}"
+        checkpoint.save({"model": nn.Linear(2, 2).state_dict()}, path, step=step)
+        marker = json.loads((path / checkpoint.MARKER).read_text())
+        marker["sha256"][name] = "0" * 64
+        (path / checkpoint.MARKER).write_text(json.dumps(marker))
+    with pytest.warns(RuntimeWarning, match=r"passed over .*step-3: COMPLETE lists '../../outside.txt'") as warned:
+        assert checkpoint.latest(tmp_path) == good
+    assert any("step-2: COMPLETE lists '/dev/zero'" in str(w.message) for w in warned), [str(w.message) for w in warned]

@@ -337,6 +337,16 @@ def test_an_unknown_module_is_refused_naming_the_modules_there(tmp_path, monkeyp
         cli.main(["check", "nope"])
 
 
+def test_execute_of_an_unknown_module_is_refused_and_executes_nothing(tmp_path, monkeypatch):
+    # It used to exit 0 having done nothing.
+    _notebook(tmp_path / "01_loss.ipynb", "print('no check here')")
+    monkeypatch.setattr(cli, "SOLUTIONS", tmp_path)
+    monkeypatch.setattr(cli, "execute", lambda path: pytest.fail(f"executed {path}"))
+    with pytest.raises(SystemExit, match=r"starts with '99': name a module by its number \(01\), e.g. "
+                                         r"`python -m dmuon_edu.course execute 01`"):
+        cli.main(["execute", "99"])
+
+
 @pytest.mark.parametrize("timeout", ["0", "inf"])
 def test_the_cell_timeout_must_be_positive_and_finite(capsys, timeout):
     with pytest.raises(SystemExit):

@@ -288,6 +288,17 @@ def test_tensor_parallel_resumes_bit_identically(checks):
     assert two_by_two(checks, "tp_resume")["max_abs_diff_after_resume"] == {"z2": 0.0, "z3": 0.0}
 
 
+def test_a_plain_state_dict_under_tensor_parallelism_is_refused_by_name_on_every_rank(checks):
+    # Between uses a non-owner's TP shard holds a 0-element local tensor; model.state_dict() would save it without
+    # a word (it did for 5 of 8 attention matrices). Every rank refuses, naming the first matrix it lacks (a TP
+    # shard on some rank, so the DTensor path is the one tested) and the collective to call instead.
+    plain = two_by_two(checks, "tp_resume")["plain_state_dict"]
+    for rank in plain:
+        assert rank["error"] and rank["error"].startswith(f"{rank['first_absent']} is owned by rank "), plain
+        assert "dmuon.get_model_state_dict(model) on every rank" in rank["error"], plain
+    assert any(rank["is_tp_shard"] for rank in plain), plain
+
+
 def test_ddp_with_tensor_parallelism_matches_one_process_and_its_plan(checks):
     # dedicate_params_ddp_tp + replicate_tp on (dp, tp) = (2, 2), 3 steps of 3 unequal micro-batches with no_sync,
     # clipping and an lr schedule: the same float32 reordering as FSDP2 + TP, so the same tolerance
@@ -817,6 +828,14 @@ def test_the_public_checkpoint_flow_restores_every_weight_exactly(checks):
     assert c["full_on_cpu"] and c["kept_per_rank"][0] == [True, True], c
     assert all(kept == [False, False] for kept in c["kept_per_rank"][1:]), c
     assert c["restored_max_diff"] == 0.0 and c["continued_max_diff"] == 0.0, c
+
+
+def test_checkpoint_save_refuses_a_state_gathered_to_rank_0_only_on_every_rank(checks):
+    # The public default (full state dicts kept on rank 0) through checkpoint.save: marked complete, its resume
+    # would find nothing for rank 1. Refused before anything is written, on every rank, naming the options to use.
+    c = real_use(checks, "public_api")
+    for error in c["refused_rank0_only_save"]:
+        assert error and "state['model'] is empty on rank(s) 1" in error and "dmuon.StateDictOptions()" in error, c
 
 
 def test_set_model_state_dict_accepts_gradient_tracking_tensors(checks):

@@ -393,7 +393,7 @@ DUPLICATED = nn.Parameter(torch.randn(4, 4))
         ([nn.Parameter(torch.randn(4, 4))], dict(lr="0.02"), TypeError, "lr must be a number"),
         ([nn.Parameter(torch.randn(4, 4))], dict(nesterov="yes"), TypeError, "nesterov must be True or False"),
         ([nn.Parameter(torch.randn(4, 4))], dict(ns_steps=5.0), TypeError, "ns_steps must be an int"),
-        ([nn.Parameter(torch.randn(4, 4))], dict(adjust_lr_fn=None), TypeError, "adjust_lr_fn must be a string"),
+        ([nn.Parameter(torch.randn(4, 4))], dict(adjust_lr_fn=1), TypeError, "adjust_lr_fn must be a string or None"),
         ([nn.Parameter(torch.randn(4, 4))], dict(ns_dtype=torch.int32), TypeError, "ns_dtype"),
         (["not a tensor"], {}, TypeError, "Tensor"),
         ([DUPLICATED] * 2, {}, ValueError, "parameter 1 of the group is parameter 0 again; Muon would step it twice"),

@@ -183,7 +183,7 @@ def test_distributed_misuse_raises_on_every_rank(resumed, case, error, fragment)
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("poison", ["inf_input", "nan_in_one_shard"])
+@pytest.mark.parametrize("poison", ["inf_input", "nan_in_one_shard", "inf_input_ddp"])
 def test_non_finite_gradients_skip_the_step_on_every_rank(resumed, poison):
     """The policy (dmuon.Muon's docstring): any NaN/Inf gradient on any rank -> every rank skips the step."""
     c = resumed[f"misuse_non_finite_gradients_{poison}"]

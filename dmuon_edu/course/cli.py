@@ -90,20 +90,28 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     if args.command == "execute":
-        for path in select(SOLUTIONS, args.selector):
+        solutions = select(SOLUTIONS, args.selector)
+        if not solutions:
+            raise SystemExit(f"nothing in {SOLUTIONS} starts with {args.selector!r}: name a module by its number "
+                             f"({', '.join(_modules(SOLUTIONS))}), e.g. `python -m dmuon_edu.course execute 01`, or "
+                             "no name to execute them all")
+        for path in solutions:
             print(f"executing {_shown(path)}", flush=True)
             execute(path)
         return 0
     notebooks, scripts = selection(args.selector)
     if not notebooks and not scripts:
-        modules = sorted({path.name[:2] for path in NOTEBOOKS.glob("[0-9][0-9]*.ipynb")})
         raise SystemExit(f"nothing in {NOTEBOOKS} starts with {args.selector!r}: name a module by its number "
-                         f"({', '.join(modules)}), e.g. `python -m dmuon_edu check 01`, or no name to grade them all")
+                         f"({', '.join(_modules(NOTEBOOKS))}), e.g. `python -m dmuon_edu check 01`, or no name to grade them all")
     statuses = [status for path in notebooks for status in grade(path, args.cell_timeout)]
     statuses += [grade_script(path) for path in scripts]
     print(format_table(statuses))
     # No exercise graded is no success: "0 of 0 exercises passed" must not exit 0.
     return 0 if statuses and all(s.status == "passed" for s in statuses) else 1
+
+
+def _modules(folder: Path) -> list[str]:
+    return sorted({path.name[:2] for path in folder.glob("[0-9][0-9]*.ipynb")})
 
 
 def _shown(path: Path) -> str:

@@ -23,6 +23,9 @@ from dmuon_edu.arguments import require_int
 
 __all__ = ["MarkovSource", "entropy", "context_numbers", "lm_batch"]
 
+# MarkovSource.random's largest table: 2**27 float64 probabilities, 1 GiB (100,000 tokens of order 1 asked for 80 GB).
+_MAX_TRANSITION_ENTRIES = 2 ** 27
+
 
 def entropy(distributions: torch.Tensor) -> torch.Tensor:
     """Entropy in nats of each distribution along the last dimension (0 log 0 = 0)."""
@@ -85,6 +88,13 @@ class MarkovSource:
         if not 0 <= sharpness < math.inf:  # infinite logits would make NaN rows
             raise ValueError(f"sharpness must be >= 0 and finite, got {sharpness}; 2.0 is the default")
         require_int("seed", seed, hint="the random number generator's seed, e.g. 0")
+        entries = vocab_size ** (order + 1)
+        if entries > _MAX_TRANSITION_ENTRIES:
+            raise ValueError(
+                f"a chain of order {order} over {vocab_size} tokens has vocab_size ** (order + 1) = {entries:,} "
+                f"transition probabilities ({entries * 8 / 1e9:,.1f} GB in float64), beyond the "
+                f"{_MAX_TRANSITION_ENTRIES:,} this course's sources hold: lower vocab_size or order (the course's "
+                "chains have at most a few hundred tokens)")
         generator = torch.Generator().manual_seed(seed)
         logits = sharpness * torch.randn((vocab_size,) * (order + 1), generator=generator, dtype=torch.float64)
         return cls(torch.softmax(logits, dim=-1))

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from dmuon_edu.arguments import require_called_as
+
 from .plan import layer_of
 
 __all__ = ["hook_boundaries", "check_hook_boundary_arguments"]
@@ -36,9 +38,15 @@ HookBoundaryResolver = Callable[[str, nn.Parameter], "nn.Module | None"]
 
 def check_hook_boundary_arguments(predicate, strict, resolver) -> None:
     """Raise TypeError unless the three hook_boundary_* arguments have the types dedicate_params takes."""
-    for name, value in (("hook_boundary_predicate", predicate), ("hook_boundary_resolver", resolver)):
+    for name, value, call, arguments, hint in (
+            ("hook_boundary_predicate", predicate, "hook_boundary_predicate(module)", (None,),
+             "it takes the module, e.g. lambda m: isinstance(m, nn.MultiheadAttention)"),
+            ("hook_boundary_resolver", resolver, "hook_boundary_resolver(name, param)", ("name", None),
+             "it takes a parameter's name and the parameter, and returns its module or None")):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be a callable or None, got {type(value).__name__}")
+        if value is not None:
+            require_called_as(name, value, call, arguments, hint)
     if not isinstance(strict, bool):
         raise TypeError(f"hook_boundary_strict must be True or False, got {strict!r}")
 

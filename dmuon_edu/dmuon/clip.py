@@ -135,7 +135,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
     found_inf = ~total.isfinite()
     if error_if_nonfinite and bool(found_inf):
         raise RuntimeError(
-            f"the global gradient norm of order {norm_type} is {total.item()}, so it cannot be clipped; "
+            f"the global gradient norm of order {norm_type} is non-finite ({total.item()}), so it cannot be clipped; "
             "pass error_if_nonfinite=False to scale the gradients by it anyway"
         )
     clip_coef, clipped = 1.0, False

@@ -47,7 +47,6 @@ no_sync in the master's dtype.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import uuid
 from collections import defaultdict
@@ -63,7 +62,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from dmuon_edu.arguments import require_callable, require_module
+from dmuon_edu.arguments import require_called_as, require_module
+from dmuon_edu.distributed import release_gloo_workers_at_exit
 
 from . import fsdp_exclusion, placeholder, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
@@ -660,6 +660,12 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
         )
     routes = {fqn(name): policy.optimizer for name, policy in policies.items()}
     for name, p in params.items():
+        if isinstance(p, DTensor) and tp_mesh is None and p.device_mesh.size() == 1:
+            raise ValueError(
+                f"{name} is a DTensor on a tensor-parallel mesh of 1 rank ({p.device_mesh.mesh_dim_names}), which "
+                f"shards nothing, and {entry} takes plain matrices then: skip parallelize_module when the TP degree "
+                "is 1 (and pass the whole data-parallel mesh), or use a TP degree of 2 or more"
+            )
         if isinstance(p, DTensor) and tp_mesh is None:
             raise ValueError(
                 f"{name} is a DTensor (tensor parallel), which {entry} does not take: tensor parallelism goes with "
@@ -731,6 +737,8 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
         state.tp_name = tp_mesh.mesh_dim_names[0]
         state.tp_order = tp_order
     fsdp_exclusion.install()
+    if dist.get_backend() == "gloo":
+        release_gloo_workers_at_exit()
     for name, p in params.items():
         setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
         p._dmuon_replica = plan[name] // shards
@@ -751,21 +759,17 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
             placeholder.make_placeholder(p, name, owners[name], dist.get_rank())
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
+    for module in {model.get_submodule(alias.rpartition(".")[0]) for alias, p in aliases
+                   if isinstance(p, DTensor) and not state.owns(p)}:
+        placeholder.guard_state_dict(module)
     _build_units(model, state, aliases, boundaries)
     model._dmuon = state
     return dict(owners)
 
 
 def _require_predicate(predicate) -> None:
-    hint = "pass a function of (name, param), e.g. lambda n, p: 'proj' in n and p.ndim == 2"
-    require_callable("predicate", predicate, hint)
-    try:
-        inspect.signature(predicate).bind("name", None)
-    except TypeError:
-        raise TypeError(f"predicate is called as predicate(name, param), but it takes {inspect.signature(predicate)}; "
-                        f"{hint}") from None
-    except ValueError:  # no signature to read (a builtin): calling it will tell
-        pass
+    require_called_as("predicate", predicate, "predicate(name, param)", ("name", None),
+                      "pass a function of (name, param), e.g. lambda n, p: 'proj' in n and p.ndim == 2")
 
 
 def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: dict[str, DMuonParamPolicy],

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dedicate import DMuonState, Unit, state_of
+from .optim import require_built_for
 
 __all__ = ["summarize_param_groups", "summarize_comm_plan", "format_summary"]
 
@@ -50,8 +51,10 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, *
 
     Raises:
         ValueError: the model has no dedicated parameters.
+        TypeError: ``optimizer`` is not the dmuon.Muon built for ``model``.
     """
     state = state_of(model)
+    require_built_for(optimizer, state)
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     groups = []
     for index, group in enumerate(optimizer.param_groups):

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, newton_schulz
+from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, check_coefficients, newton_schulz
 
 __all__ = ["NewtonSchulz", "POLAR_EXPRESS_COEFFICIENTS", "YOU_COEFFICIENTS", "as_backend"]
 
@@ -52,9 +52,10 @@ class NewtonSchulz:
         deterministic: accepted, as the public alias of ``kernel="cublas"``.
 
     Raises:
-        ValueError: an unknown backend or kernel, a SYRK kernel, restart iterations, or
-            coefficients that are not (a, b, c) tuples of numbers.
-        TypeError: ``deterministic`` is not a bool.
+        ValueError: an unknown backend or kernel, a SYRK kernel, restart iterations,
+            coefficients that are empty, not finite, or diverge (newton_schulz.check_coefficients).
+        TypeError: ``deterministic`` is not a bool, or ``coefficients`` are not (a, b, c)
+            tuples of numbers.
     """
 
     def __init__(self, backend: str = "gram", kernel: str = "auto",
@@ -75,11 +76,10 @@ class NewtonSchulz:
             )
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-        if coefficients is not None:
-            coefficients = [tuple(t) for t in coefficients]
-            if not coefficients or not all(len(t) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                               for v in t) for t in coefficients):
+        if coefficients is not None:  # the per-step checks of newton_schulz, now rather than at the first step
+            if isinstance(coefficients, str) or not isinstance(coefficients, Sequence) or not coefficients:
                 raise ValueError(f"coefficients must be a non-empty sequence of (a, b, c) numbers, got {coefficients!r}")
+            coefficients = check_coefficients(coefficients, len(coefficients))
         self.backend, self.kernel, self.deterministic = backend, kernel, deterministic
         self.coefficients, self.restart_iterations = coefficients, restart_iterations
 

@@ -97,6 +97,14 @@ class _OwnerMuon(single_device.Muon):
         return partial(self.backend.orthogonalise, steps=group["ns_steps"], dtype=group["ns_dtype"])
 
 
+def require_built_for(optimizer: object, state) -> None:
+    """Refuse an optimizer that is not the dmuon.Muon built for the model whose dmuon state is ``state``."""
+    if not isinstance(optimizer, Muon) or optimizer._dmuon is not state:
+        what = (f"a {type(optimizer).__name__}" if not isinstance(optimizer, Muon) else
+                "the dmuon.Muon of another model")
+        raise TypeError(f"the optimizer is {what}: pass the dmuon.Muon optimizer that was built for this model")
+
+
 class Muon(torch.optim.Optimizer):
     """Distributed Muon for a model prepared with ``dedicate_params`` and ``fully_shard``.
 
@@ -353,8 +361,9 @@ class Muon(torch.optim.Optimizer):
         extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
         agreed[0] = (~torch.cat(extremes).isfinite()).any() if extremes else False
         before, now = state.symmetric_sample, state.sample_symmetric_gradients()
+        # NaN != NaN: a sample of non-finite gradients is "unchanged" where both hold NaN
         agreed[1] = (before is not None and now is not None and before.shape == now.shape
-                     and (before != now).any())
+                     and ((before != now) & ~(before.isnan() & now.isnan())).any())
         state.symmetric_sample = None  # the next backward takes its own
         everyone = state.everyone
         if dist.get_world_size(everyone) > 1:
@@ -372,7 +381,7 @@ class Muon(torch.optim.Optimizer):
         # matrices on every rank) follow from the shard axis's: they are checked with them.
         for order in state.orders:
             order.step_checked()
-        if bool(agreed[1]) and not state.clipped:
+        if bool(agreed[1]) and not state.clipped and agreed[0] == 0:  # a skipped step needs no word on clipping
             warnings.warn(
                 "the other parameters' gradients (in p.grad) were scaled after the backward, but not the dedicated "
                 "(Muon) ones: "

@@ -24,8 +24,9 @@ saved references to the parameter stay valid and see the refilled values in back
 
 A tensor-parallel shard (a DTensor, tp.py) keeps its class: DTensor's layout is not a
 plain tensor's, so ``__class__`` cannot change. Its local tensor is what comes and goes
-(an empty one between uses), and reads between uses meet DTensor's shape checks, not the
-named refusal above.
+(an empty one between uses). Reads between uses meet DTensor's shape checks, except
+``state_dict()`` of a module holding one (without ``keep_vars``), which would save the
+empty local tensor without a word: :func:`guard_state_dict` refuses it by name, as above.
 
 A rank that holds a matrix whose step result is still on its way to it (the DDP
 backend's non-owners, HSDP's holders in the other replicas, after ``step()`` with
@@ -44,8 +45,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DedicatedParameter", "PublishingParameter", "PublishingDTensor", "make_placeholder", "hold", "release",
-           "is_resident", "publishing", "landed"]
+__all__ = ["DedicatedParameter", "PublishingParameter", "PublishingDTensor", "make_placeholder", "guard_state_dict",
+           "hold", "release", "is_resident", "publishing", "landed"]
 
 # Metadata a placeholder answers for the matrix: these read no values.
 _SHAPE_ANSWERS = {
@@ -107,25 +108,45 @@ class DedicatedParameter(nn.Parameter):
                 f"rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy between uses)")
 
     def _refusal(self, operation: str) -> str:
-        return (
-            f"{self._dmuon_name} is owned by rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy of it "
-            f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
-            f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {self._dmuon_owner_rank}. "
-            "If the read is in the model's forward, a module reads the matrix without calling the module that holds "
-            "it (nn.MultiheadAttention reads out_proj.weight so), and dmuon hooks the wrong one: pass dedicate_params "
-            "a hook_boundary_predicate that selects the module whose forward reads it, e.g. "
-            "lambda m: isinstance(m, nn.MultiheadAttention)"
-        )
+        return _refusal(self, operation)
+
+
+def _refusal(p: torch.Tensor, operation: str) -> str:
+    """Why a non-owner cannot read the dedicated matrix ``p`` between uses, and what to call instead."""
+    return (
+        f"{p._dmuon_name} is owned by rank {p._dmuon_owner_rank}; rank {p._dmuon_rank} holds no copy of it "
+        f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
+        f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {p._dmuon_owner_rank}. "
+        "If the read is in the model's forward, a module reads the matrix without calling the module that holds "
+        "it (nn.MultiheadAttention reads out_proj.weight so), and dmuon hooks the wrong one: pass dedicate_params "
+        "a hook_boundary_predicate that selects the module whose forward reads it, e.g. "
+        "lambda m: isinstance(m, nn.MultiheadAttention)"
+    )
 
 
 def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
-    """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident."""
+    """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident (a DTensor: its local
+    tensor emptied; guard the modules holding it with :func:`guard_state_dict`)."""
+    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, p.shape
     if isinstance(p, DTensor):
         release(p)
         return
-    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, p.shape
     _remember_own_class(p)
     release(p)
+
+
+def guard_state_dict(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` refuse, by name, while a tensor-parallel matrix of its own is not resident
+    here: it would save the empty local tensor. ``keep_vars=True`` (dmuon's own state dicts) passes."""
+    module.register_state_dict_pre_hook(_refuse_absent_shards)
+
+
+def _refuse_absent_shards(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    if keep_vars:
+        return
+    for p in module._parameters.values():
+        if isinstance(p, DTensor) and not is_resident(p):
+            raise RuntimeError(_refusal(p, "state_dict()"))
 
 
 def is_resident(p: torch.Tensor) -> bool:

@@ -137,6 +137,13 @@ def resolve_param_policies(params: Mapping[str, nn.Parameter], compute_dtype: to
         policy = replace(policy, matched_overrides=tuple(matched))
         _check_supported(clean, p, policy)
         resolved[name] = policy
+    used = {index for policy in resolved.values() for index in policy.matched_overrides}
+    for index, (tokens, _) in enumerate(overrides):
+        if index not in used:
+            raise ValueError(
+                f"param_policy['overrides'][{index}] (name {list(tokens)}) matches none of the parameters the "
+                f"predicate selected, so it would change nothing: is a name misspelt? A token matches a parameter "
+                f"whose name contains it, e.g. {sorted(map(fqn, params))[:3]}")
     return resolved
 
 
@@ -196,7 +203,12 @@ def _route(value, where: str) -> str | None:
 
 
 def _dtype(value, where: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise ValueError(f"{where}: {value} is not a floating-point dtype, and matrices are computed, reduced "
+                             "and kept in one: pass torch.bfloat16, torch.float16 or torch.float32")
+        return value
+    if value is None:
         return value
     if isinstance(value, str):
         key = value.strip().lower()

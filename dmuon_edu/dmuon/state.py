@@ -44,7 +44,7 @@ from dmuon_edu.arguments import describe
 from . import tp
 from .dedicate import DMuonState, state_of
 from .names import fqn
-from .optim import Muon
+from .optim import Muon, require_built_for
 
 __all__ = [
     "StateDictOptions",
@@ -245,7 +245,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
     """
     state = state_of(model)
     options, rank0_only = _options(options, cpu_offload, rank0_only)
-    _check_optimizer(optimizer, state)
+    require_built_for(optimizer, state)
     names = _names(model)
     result: dict[str, dict] = {}
     for group in optimizer.param_groups:  # the same order on every rank: the groups look alike everywhere
@@ -284,12 +284,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
             ``state_dict`` is not an optimizer state dict.
         RuntimeError: with ``strict`` (the default), a parameter's state is missing, or
             the state dict has another number of param groups.
-        ValueError: a momentum buffer holds NaN or Inf, or a state tensor's shape is not
-            its parameter's. Nothing is loaded then.
+        ValueError: a momentum buffer holds NaN or Inf, a state tensor's shape is not
+            its parameter's, or a saved group's route (``use_muon``, ``subgroup_type``,
+            ``group_name``) or parameters are not those of this optimizer's group at its
+            place. Nothing is loaded then.
     """
     options, _ = _options(options)
     state = state_of(model)
-    _check_optimizer(optimizer, state)
+    require_built_for(optimizer, state)
     if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
             and isinstance(state_dict.get("param_groups"), list)):
         raise TypeError("state_dict must be what dmuon.get_optimizer_state_dict returns, a dict with 'state' "
@@ -305,6 +307,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
             f"the optimizer state dict has {len(state_dict['param_groups'])} param groups and this optimizer "
             f"{len(optimizer.param_groups)}: build dmuon.Muon with the param_groups it was saved with"
         )
+    for index, (group, saved_group) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
+        _require_same_group(index, group, saved_group, [names[p] for p in group["params"]] if options.strict else None)
     for name, p in state.params.items():  # full tensors, the same on every rank: every rank refuses alike, before any copy
         buffer = saved.get(name, {}).get("momentum_buffer")
         if isinstance(buffer, torch.Tensor) and not bool(buffer.isfinite().all()):
@@ -332,6 +336,27 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: dict
         group.update({k: v for k, v in saved_group.items() if k != "params"})
 
 
+def _require_same_group(index: int, group: dict, saved: object, names: list[str] | None) -> None:
+    """Refuse a saved group whose route, or (given ``names``, the live group's) parameters, differ from the live
+    group's: its hyperparameters would be copied over a group of other parameters (a Muon group told
+    use_muon=False is skipped by the optimizer-form clip, silently)."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"param group {index} of the optimizer state dict is {describe(saved)}, not a dict; "
+                        "nothing was loaded")
+    fix = ("the state dict's groups are not this optimizer's, and nothing was loaded: build dmuon.Muon with the "
+           "param_groups (and param_policy) it was saved with")
+    for key in ("use_muon", "subgroup_type", "group_name"):
+        if key in saved and saved[key] != group.get(key):
+            raise ValueError(f"param group {index} of the optimizer state dict has {key}={saved[key]!r}, this "
+                             f"optimizer's group {index} has {key}={group.get(key)!r}: {fix}")
+    saved_names = saved.get("params")
+    if names is not None and isinstance(saved_names, list) and all(isinstance(n, str) for n in saved_names) and \
+            sorted(map(fqn, saved_names)) != sorted(names):
+        raise ValueError(f"param group {index} of the optimizer state dict holds other parameters than this "
+                         f"optimizer's group {index} ({sorted(set(map(fqn, saved_names)) ^ set(names))[:3]} are in "
+                         f"one only): {fix}")
+
+
 def _require_tensor_like(value, shape: torch.Size, where: str) -> None:
     """Refuse, before anything is loaded, a state dict entry that is no tensor or has another shape."""
     if not isinstance(value, torch.Tensor):
@@ -341,7 +366,3 @@ def _require_tensor_like(value, shape: torch.Size, where: str) -> None:
                          f"{tuple(shape)}: the state dict is another model's, and nothing was loaded. Load it into "
                          "a model built as the saved one was")
 
-
-def _check_optimizer(optimizer, state: DMuonState) -> None:
-    if not isinstance(optimizer, Muon) or optimizer._dmuon is not state:
-        raise TypeError("pass the dmuon.Muon optimizer that was built for this model")

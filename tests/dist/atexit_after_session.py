@@ -1,16 +1,20 @@
 """A user's atexit handler (a logger's flush, an async checkpoint's wait) must run on every rank.
 
-Usage: torchrun --nproc-per-node=N atexit_after_session.py OUT_DIR
+Usage: torchrun --nproc-per-node=N atexit_after_session.py OUT_DIR [session|public]
 Each rank registers a handler that writes OUT_DIR/rank<r>.atexit, then trains two
 steps under FSDP2 and dmuon, whose objects keep references to the process group
-until the interpreter exits, inside distributed.session().
+until the interpreter exits, inside distributed.session() ("session", the default), or
+as torch's and the public dmuon's examples do ("public"): init_process_group, the
+steps, a full state dict gathered (the last collectives), destroy_process_group().
 """
 
 import atexit
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -18,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from dmuon_edu import distributed, dmuon
 
 out = Path(sys.argv[1])
+ending = sys.argv[2] if len(sys.argv) > 2 else "session"
 
 
 class Model(nn.Module):
@@ -31,7 +36,16 @@ class Model(nn.Module):
         return x
 
 
-with distributed.session() as ranks:
+
+@contextlib.contextmanager
+def public_ending():
+    dist.init_process_group("gloo")
+    yield distributed.Ranks(dist.get_rank(), dist.get_world_size(), 0, torch.device("cpu"), "gloo")
+    dmuon.get_model_state_dict(model, dmuon.StateDictOptions(full_state_dict=True))
+    dist.destroy_process_group()
+
+
+with (distributed.session() if ending == "session" else public_ending()) as ranks:
     atexit.register(lambda: (out / f"rank{ranks.rank}.atexit").write_text("ran"))
     mesh = init_device_mesh("cpu", (ranks.world_size,))
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import check_channel
-from dmuon_edu import distributed, dmuon, muon
+from dmuon_edu import checkpoint, distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
 from dmuon_edu.dmuon import step_time
 from dmuon_edu.dmuon.names import fqn
@@ -653,6 +653,8 @@ def check_public_api(mesh, directory):
         torch.save({"model": model_sd, "optim": optim_sd}, path)
     distributed.barrier()
     loaded = torch.load(path, weights_only=False)
+    # The same full state dicts (rank 0's only) through checkpoint.save: refused on every rank, naming the options.
+    refused_save = error_of(lambda: checkpoint.save({"model": model_sd, "optim": optim_sd}, f"{directory}/rank0-only"))
     fresh, fresh_opt = build(mesh, zero3=True, seed=123)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)  # before the load: it sets lr
     fresh_sched.load_state_dict(sched.state_dict())
@@ -687,6 +689,7 @@ def check_public_api(mesh, directory):
     report("public_api", muon_group=muon_group, adamw_group=adamw_group,
            public_defaults=PUBLIC_DEFAULTS, public_adamw_defaults={**PUBLIC_ADAMW_DEFAULTS, "betas": [0.9, 0.999]},
            full_on_cpu=on_cpu, kept_per_rank=per_rank(kept), restored_max_diff=restored,
+           refused_rank0_only_save=per_rank(refused_save),
            continued_max_diff=continued, from_tracking_max_diff=from_tracking,
            muon_norm_rel_diff=abs(stats.total_norm.item() - ref_muon_norm) / ref_muon_norm,
            full_norm_rel_diff=abs(full_norm - ref_full_norm) / ref_full_norm,
@@ -1044,6 +1047,12 @@ def check_tp_resume(mesh, directory):
     resumed = {}
     for zero3 in (False, True):
         model, opt = build(mesh, zero3, tp=True)
+        if zero3:  # a plain state_dict() between uses, and the first matrix in it this rank holds no copy of
+            state = model._dmuon
+            absent = next(name for name, value in model.state_dict(keep_vars=True).items()
+                          if any(value is q for q in state.params.values()) and not is_resident(value))
+            plain = {"error": error_of(model.state_dict), "first_absent": fqn(absent),
+                     "is_tp_shard": isinstance(model.get_parameter(absent), DTensor)}
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         for step in range(2):
             mine, _, total = window(step, rank, world)
@@ -1069,7 +1078,7 @@ def check_tp_resume(mesh, directory):
         dmuon.set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
         resumed["z3" if zero3 else "z2"] = step_both_and_compare((model, opt, sched), (fresh, fresh_opt, fresh_sched),
                                                                  tp=True)
-    report("tp_resume", max_abs_diff_after_resume=resumed)
+    report("tp_resume", max_abs_diff_after_resume=resumed, plain_state_dict=per_rank(plain))
 
 
 def check_hook_boundaries(mesh):

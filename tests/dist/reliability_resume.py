@@ -238,9 +238,10 @@ def misuse(mesh):
     report("misuse_step_inside_no_sync", errors=per_rank(error_of(step_inside_no_sync)))
     opt.zero_grad()
 
-    # Non-finite gradients, on one rank only: every rank skips the step; weights never become NaN.
-    for poison in ("inf_input", "nan_in_one_shard"):
-        model, opt, sched = build(mesh)
+    # Non-finite gradients, on one rank only: every rank skips the step; weights never become NaN. On the DDP
+    # backend too, where it used to add a false warning that torch's clip had scaled part of the gradient.
+    for poison, ddp in (("inf_input", False), ("nan_in_one_shard", False), ("inf_input", True)):
+        model, opt, sched = build(mesh, ddp=ddp)
         train_step(model, opt, sched, 0)
         before = full_state(model, opt, sched)
         with warnings.catch_warnings(record=True) as caught:
@@ -253,7 +254,7 @@ def misuse(mesh):
         train_step(model, opt, sched, 2)
         final = full_state(model, opt, sched)
         moved = differences(after["model"], final["model"])[0]
-        report(f"misuse_non_finite_gradients_{poison}", warned_every_rank=per_rank(messages),
+        report(f"misuse_non_finite_gradients_{poison}{'_ddp' if ddp else ''}", warned_every_rank=per_rank(messages),
                skipped_steps=per_rank(opt.skipped_steps), weights_unchanged=weights_same,
                optimizer_state_unchanged=optim_same, next_step_moved=moved,
                finite_after_next_step=all(torch.isfinite(v).all().item() for v in final["model"].values()))
