@@ -176,6 +176,12 @@ AUDIT = {
     # Part 3. Native aborts:
     "a 4-rank job that ends as torch's examples do aborts at exit 1 time in 12 (gloo's worker meets finalization)": (
         CORRECT, "test_dmuon::test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process"),
+    "an evaluation on rank 0 only: gloo aborts both ranks natively 26 s in (order_check='per_step')": (
+        CLEAR_ERROR, "test_dmuon::test_an_evaluation_on_rank_0_only_is_named_on_every_rank_before_gloo_can_abort[per_step]"),
+    "an evaluation on rank 0 only: the rank ahead learns of it at the collective timeout (order_check='strict')": (
+        CLEAR_ERROR, "test_dmuon::test_an_evaluation_on_rank_0_only_is_named_on_every_rank_before_gloo_can_abort[strict]"),
+    "dedicate_params on rank 0 only, its peer running its own collective: gloo aborts natively": (
+        CLEAR_ERROR, "test_dmuon::test_a_rank_that_never_calls_dedicate_params_is_named_at_the_groups_timeout"),
     # Part 3. Checkpoints that read outside themselves:
     "a marker listing /dev/zero hangs checkpoint.load": (CLEAR_ERROR, f"{BAD_INPUT}[checkpoint.load/marker_lists_dev_zero]"),
     "a marker listing ../outside.txt makes load read a file outside the checkpoint": (
@@ -221,6 +227,23 @@ AUDIT = {
     "a non-finite clip error says 'inf', not 'non-finite'": (CLEAR_ERROR, f"{BAD_INPUT}[dmuon.clip_grad_norm_/non_finite_norm]"),
     "adjust_lr_fn=None is refused though torch.optim.Muon takes it": (
         CORRECT, "test_bad_input::test_adjust_lr_fn_none_is_torchs_original"),
+    # Part 3. The public dmuon's code:
+    "the public examples/basic_dp.py stops at get_owned_params and get_ns_backend": (
+        CORRECT, "test_dmuon::test_the_public_basic_dp_example_runs_with_only_device_backend_import_and_sizes_changed"),
+    "the public examples/tp_dp.py's record inspection": (
+        CORRECT, "test_dmuon::test_the_public_tp_dp_example_runs_with_only_device_backend_import_and_sizes_changed"),
+    "dmuon.clip_grad_norm_(optimizer=opt, max_norm=1.0) is a TypeError": (
+        CORRECT, "test_public_api::test_the_signature_is_the_public_ones_but_for_what_the_docs_list[clip_grad_norm_]"),
+    # Part 3. Tests that could not fail the way they should:
+    "a check dropped from dmuon_checks.main() makes its tests skip": (
+        CORRECT, "test_dmuon::test_a_record_a_launch_did_not_write_fails_its_tests_instead_of_skipping"),
+    "the public defaults are a dict typed into the check script": (
+        CORRECT, "test_public_api::test_the_table_is_the_public_projects_at_a_commit"),
+    "test_count_comm_is_the_package_counter asserts an identity": (
+        CORRECT, "test_dmuon::test_count_comm_counts_calls_and_bytes_of_each_collective"),
+    "the no_sync byte test looks at rank 0 only": (CORRECT, "test_dmuon::test_no_sync_divides_reduce_bytes_by_k"),
+    "11 private torch APIs unguarded": (
+        CORRECT, "test_torch_internals::test_each_private_torch_api_the_library_uses_still_behaves_as_it_relies_on"),
 }
 
 

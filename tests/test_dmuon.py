@@ -21,6 +21,7 @@ off: cuBLAS and the CPU's BLAS sum float32 products in other orders, which is th
 ~1e-7 relative reordering, so the same 1e-5 holds (not yet run on a GPU).
 """
 
+import ast
 import concurrent.futures
 import io
 import json
@@ -43,12 +44,15 @@ from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.torchrun
 
-from dmuon_edu import distributed, dmuon
+from dmuon_edu import dmuon
 from dmuon_edu.dmuon import fsdp_exclusion
+from dmuon_edu.dmuon.order import AGREEMENT_BYTES
 from dmuon_edu.newton_schulz import ns_flops
 from dmuon_edu.course import cost_model
 from dmuon_edu.course.dmuon_problem import is_dedicated
 from dmuon_edu.launch import torchrun
+
+PUBLIC_SIGNATURES = json.loads((Path(__file__).parent / "public_signatures.json").read_text())["signatures"]
 
 DIST = Path(__file__).parent / "dist"
 TOLERANCE = 1e-5
@@ -102,7 +106,9 @@ def checks(request, tmp_path_factory):
                   env={check_channel.ENV: str(records)})
     checks = check_channel.read(records)
     _show_costliest(request.config, f"dmuon_checks.py on {nproc} ranks", checks)
-    return {"atexit_marks": sorted(path.name for path in marks.iterdir()), "nproc": nproc, **checks}
+    # on_cpu: gloo ranks (the first two params); ON_GPUS's launch runs NCCL, without the CPU-only checks
+    return {"atexit_marks": sorted(path.name for path in marks.iterdir()), "nproc": nproc,
+            "on_cpu": request.param_index < 2, **checks}
 
 
 def _show_costliest(config, launch, records, n=10):
@@ -130,10 +136,19 @@ def test_a_users_atexit_handler_runs_on_every_rank_after_a_session(checks):
     assert checks["atexit_marks"] == [f"rank{rank}" for rank in range(checks["nproc"])]
 
 
-def real_use(checks, name):
+def record(checks, name):
+    """The launch's record ``name``, which its main() must have written: a check dropped from main(), or one that
+    ended without reporting, fails every test that reads it (it used to skip them)."""
     if name not in checks:
-        pytest.skip("what real training does is checked on 2 CPU ranks")
+        pytest.fail(f"the {checks['nproc']}-rank launch of dmuon_checks.py wrote no {name!r} record: a check was "
+                    "dropped from its main(), or ended without reporting", pytrace=False)
     return checks[name]
+
+
+def real_use(checks, name):
+    if checks["nproc"] != 2 or not checks["on_cpu"]:
+        pytest.skip("what real training does is checked on 2 CPU ranks")
+    return record(checks, name)
 
 
 REAL_USE = ["z3_no_sync_tied", "z2_no_sync_tied", "z3_no_sync_checkpointed", "z2_no_sync_checkpointed"]
@@ -180,9 +195,18 @@ def test_each_layer_broadcasts_ahead_of_its_use_and_reduces_once_per_owner(check
 
 
 def two_by_two(checks, name):
-    if name not in checks:
+    if checks["nproc"] != 4:
         pytest.skip("HSDP and tensor parallelism are checked on 4 ranks: 2 replicas x 2 shards, 2 dp x 2 tp")
-    return checks[name]
+    return record(checks, name)
+
+
+@pytest.mark.parametrize("read", [real_use, two_by_two])
+def test_a_record_a_launch_did_not_write_fails_its_tests_instead_of_skipping(read):
+    # The mutation: a check dropped from dmuon_checks.main() leaves its record out of the launch's records.
+    launch = {"nproc": 2 if read is real_use else 4, "on_cpu": True, "placement": {}}
+    assert read(launch, "placement") == {}
+    with pytest.raises(pytest.fail.Exception, match="wrote no 'dropped' record: a check was dropped from its main()"):
+        read(launch, "dropped")
 
 
 @pytest.mark.parametrize("mode", ["z3", "z2"])
@@ -378,8 +402,11 @@ def test_hsdp_publishes_only_the_trainable_matrices_as_planned(checks):
 
 
 def test_no_sync_divides_reduce_bytes_by_k(checks):
+    # on every rank: each takes part in every reduce, as sender or as receiver
     with_no_sync, without = checks["comm_z2_no_sync"], checks["comm_z2_sync_every_micro_batch"]
-    assert with_no_sync["per_rank"][0]["reduce"] * with_no_sync["k"] == without["per_rank"][0]["reduce"]
+    assert len(with_no_sync["per_rank"]) == checks["nproc"], with_no_sync
+    for mine, theirs in zip(with_no_sync["per_rank"], without["per_rank"], strict=True):
+        assert mine["reduce"] > 0 and mine["reduce"] * with_no_sync["k"] == theirs["reduce"], (mine, theirs)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -453,7 +480,11 @@ def test_the_ddp_backend_moves_the_bytes_of_its_formula(checks, config):
         assert {op: mine[op] for op in model.counted} == model.counted, (model, c)  # the course's cost model
         # summarize_comm_plan plans it: one reduce per pass, one broadcast per step (after it), not per layer
         assert plan["reduce"] * passes == mine["reduce"] and plan["broadcast"] == mine["broadcast"], c
-        assert mine["all_reduce"] == passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES, c
+        # gloo's agreements (order.py): 32 bytes before each of dmuon's collectives, the all-reduces' included
+        calls = mine["calls"]
+        assert mine["agreements"] == calls["reduce"] + calls["broadcast"] + calls["all_reduce"] - mine["agreements"], c
+        assert mine["all_reduce"] == (passes * p_r + STEP_ALL_REDUCE_BYTES + CLIP_ALL_REDUCE_BYTES
+                                      + AGREEMENT_BYTES * mine["agreements"]), c
         assert peer["all_reduce"] == passes * (p_m + p_r), c
 
 
@@ -621,8 +652,14 @@ def test_fully_shard_without_ignored_params_skips_dedicated(one_rank):
     assert kinds == {n: "up_proj.weight" not in n for n in kinds}
 
 
-def test_count_comm_is_the_package_counter():
-    assert dmuon.count_comm is distributed.count_collectives
+def test_count_comm_counts_calls_and_bytes_of_each_collective(one_rank):
+    # dmuon.count_comm (the public project's name) counts what the collectives carry: calls and whole-tensor bytes,
+    # an async call when it is issued
+    with dmuon.count_comm() as counted:
+        torch.distributed.all_reduce(torch.ones(3))
+        torch.distributed.broadcast(torch.ones(2, 4, dtype=torch.float64), src=0, async_op=True).wait()
+    assert dict(counted.calls) == {"all_reduce": 1, "broadcast": 1}, counted.calls
+    assert dict(counted.bytes) == {"all_reduce": 12, "broadcast": 64}, counted.bytes
 
 
 def test_bad_predicates_raise_value_error(one_rank):
@@ -761,9 +798,26 @@ def test_pipeline_stages_are_refused_on_every_rank_naming_the_layout(checks):
         assert "dmuon does not support pipeline parallelism" in message and "dmuon_edu.Muon" in message, message
 
 
-def test_a_rank_that_never_calls_dedicate_params_ends_the_others_at_a_bounded_timeout(checks):
+def test_a_rank_that_never_calls_dedicate_params_is_named_at_the_groups_timeout(checks):
+    # rank 1 runs its own all-reduce on the group instead (it used to meet rank 0's first collective there, and
+    # gloo aborted both processes): rank 0 waits in the store for the group's 1 s and names rank 1
     message = real_use(checks, "misuse")["a_rank_never_calls"][0]
-    assert message and "not every rank called dedicate_params" in message, message
+    assert message and message.startswith("dedicate_params: rank(s) 1 did not call dedicate_params within the "
+                                           "group's timeout (1 s)") and "if rank == 0:" in message, message
+
+
+@pytest.mark.parametrize("mode", ["per_step", "strict"])
+def test_an_evaluation_on_rank_0_only_is_named_on_every_rank_before_gloo_can_abort(checks, mode):
+    # After a step rank 0 alone runs a forward: its peers' next collectives met that forward's, and gloo aborted
+    # both processes natively (default per_step), or the rank ahead waited out the collective timeout (strict).
+    # Now every rank raises, naming the first events where they part and the fix, well inside the 60 s collective
+    # timeout (15 s: the longest a rank waits for the others' logs).
+    outcomes = real_use(checks, "evaluation_on_one_rank")[mode]
+    for rank, outcome in enumerate(outcomes):
+        message = outcome["error"]
+        assert message and "the ranks diverged at their event #" in message, outcomes
+        assert "rank 0" in message and "rank 1" in message and "of layers." in message, outcomes
+        assert "evaluate on every rank" in message and outcome["seconds"] < 15, outcomes
 
 
 def _names_the_divergence(message):
@@ -797,17 +851,17 @@ def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, m
     first, second = (order.CollectiveOrder("test/order", rank, [0, 1]) for rank in (0, 1))
     for n in range(7):  # more collectives than slots: stale slots are taken over, never mistaken
         for checker in (first, second):
-            with checker.collective(f"the broadcast of layers.{n}"):
+            with checker.collective(f"the broadcast of layers.{n}", None):
                 pass
-    with first.collective("the broadcast of layers.7"):
+    with first.collective("the broadcast of layers.7", None):
         pass
     with pytest.raises(RuntimeError, match=r"event #7: rank 1 is about to run the broadcast of layers.8, "
                                            r"but rank 0 ran the broadcast of layers.7"):
-        with second.collective("the broadcast of layers.8"):
+        with second.collective("the broadcast of layers.8", None):
             pass
     # The rank that went first waits in its collective #8 until the timeout, then reports the divergence.
     with pytest.raises(RuntimeError, match=r"rank 1 is about to run .* \(this rank, 0, was waiting in its event #8"):
-        with first.collective("the broadcast of layers.8"):
+        with first.collective("the broadcast of layers.8", None):
             raise RuntimeError("Timed out waiting 3000ms")
 
 
@@ -817,9 +871,14 @@ def test_autocast_runs_through_dmuon(checks):
 
 
 def test_dmuon_muon_has_the_public_projects_defaults(checks):
+    # The groups dmuon.Muon(model) builds, against the public Muon's signature as read from its source
+    # (tests/public_signatures.json); the public project scales every matrix as "match_rms_adamw", fixed.
     c = real_use(checks, "public_api")
-    assert c["muon_group"] == c["public_defaults"], c
-    assert {**c["adamw_group"], "betas": list(c["adamw_group"]["betas"])} == c["public_adamw_defaults"], c
+    public = {name: ast.literal_eval(default) for name, _, default in PUBLIC_SIGNATURES["Muon"] if default is not None}
+    assert c["muon_group"] == {**{k: public[k] for k in ("lr", "momentum", "nesterov", "weight_decay", "ns_steps")},
+                               "adjust_lr_fn": "match_rms_adamw"}, (c, public)
+    assert {**c["adamw_group"], "betas": tuple(c["adamw_group"]["betas"])} == {
+        k: public[f"adamw_{k}"] for k in ("lr", "betas", "weight_decay", "eps")}, (c, public)
 
 
 def test_the_public_checkpoint_flow_restores_every_weight_exactly(checks):
@@ -1076,9 +1135,77 @@ def test_ns_backend_gram_and_direct_map_onto_newton_schulz():
                        newton_schulz(G, 5, dtype=torch.float32, gram_space=False))
     assert not torch.equal(gram.orthogonalise(G, 5, torch.float32), direct.orthogonalise(G, 5, torch.float32))
     for bad, match in [(dict(backend="syrk"), "'gram' or 'direct'"), (dict(kernel="quack"), "SYRK kernels"),
-                       (dict(restart_iterations=[2]), "restart_iterations"), (dict(coefficients=[(1, 2)]), "(a, b, c)")]:
+                       (dict(restart_iterations=[2]), "restart_iterations")]:
         with pytest.raises(ValueError, match=re.escape(match)):
             dmuon.NewtonSchulz(**bad)
+    with pytest.raises(TypeError, match=re.escape("(a, b, c) tuple of numbers")):
+        dmuon.NewtonSchulz(coefficients=[(1, 2)])
+
+
+def test_the_public_getters_describe_the_dedicated_matrices(one_rank_mesh):
+    # The records the public examples print (examples/basic_dp.py, examples/tp_dp.py); one rank owns everything.
+    model = Tiny()
+    dmuon.dedicate_params(model, one_rank_mesh, is_dedicated)
+    fully_shard(model, mesh=one_rank_mesh)
+    records = dmuon.get_dedicated_params(model)
+    assert [r.param_name for r in records] == list(dmuon.ownership(model)) == ["layers.0.up_proj.weight",
+                                                                                "layers.1.up_proj.weight"]
+    for r in records:
+        assert r.owner_rank == (0, 0) and r.owner_shard == 0 and r.owner_replicate == 0 and r.is_owner, r
+        assert r.full_shape == r._orig_size == (4, 4) and r.numel == 16, r
+        assert r.shard_dim is None and r.tp_group is None and not r.is_tp_owner, r
+        assert r.param is model.get_parameter(r.param_name)
+    for rank in (0, (0, 0)):
+        assert [r.param_name for r in dmuon.get_owned_params(model, rank=rank)] == [r.param_name for r in records]
+    assert dmuon.get_owned_params(model, rank=1) == []
+    with pytest.raises(TypeError, match="rank must be a shard index"):
+        dmuon.get_owned_params(model, rank="0")
+
+
+def test_the_public_newton_schulz_names_are_dmuon_edus_newton_schulz():
+    from dmuon_edu.newton_schulz import newton_schulz
+    G = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(dmuon.newton_schulz(G), newton_schulz(G, 5, dtype="auto"))
+    assert torch.equal(dmuon.gram_newton_schulz(G, 3, coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS, deterministic=True),
+                       newton_schulz(G, 3, coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS, dtype="auto"))
+    with pytest.raises(ValueError, match="restart_iterations cannot be chosen here"):
+        dmuon.newton_schulz(G, restart_iterations=[2])
+    assert dmuon.get_ns_backend().startswith("Gram NS · kernel=cublas (")
+    status = dmuon.get_backend_status()
+    assert sorted(status) == ["auto_choice", "cublas_always_available", "cute_sm80_available", "quack_available",
+                              "sm_version"], status
+    assert status["auto_choice"] == "cublas" and not status["quack_available"] and status["cublas_always_available"]
+
+
+def test_the_public_basic_dp_example_runs_with_only_device_backend_import_and_sizes_changed(checks):
+    # examples/basic_dp.py of the public dmuon (dmuon_checks.PUBLIC_EXAMPLES_COMMIT), its calls in its order: it used
+    # to stop at get_owned_params. Every rank's records are the matrices ownership() gives it, all of them between
+    # the ranks; the checkpoint's documented round trip (torch.save on rank 0, torch.load everywhere) is exact.
+    c = real_use(checks, "public_basic_dp")
+    assert all(c["owned"][rank] == sorted(n for n, owner in c["ownership"].items() if owner == rank)
+               for rank in range(2)), c
+    assert sum(c["owned_elements"]) == 2 * 3 * 16 * 32, c  # 2 blocks of gate, up and down: 16 x 32 each
+    assert c["ns_backend"].startswith("Gram NS · kernel=") and c["losses_finite"], c
+    assert c["reloaded_max_diff"] == 0.0, c
+
+
+def test_the_public_tp_dp_example_runs_with_only_device_backend_import_and_sizes_changed(checks):
+    # examples/tp_dp.py of the public dmuon on (dp, tp) = (2, 2), its record inspection included: each record of
+    # DP shard 0's matrices is a TP shard of half the matrix along its sharded dim (0 colwise, 1 rowwise), over a
+    # TP group of 2, and within each TP group exactly one rank orthogonalises each matrix.
+    c = two_by_two(checks, "public_tp_dp")
+    by_rank = c["owned_by_shard_0"]
+    assert by_rank[0] and c["losses_finite"] and c["ns_backend"].startswith("Gram NS · kernel="), c
+    for records in by_rank:
+        for r in records:
+            assert r["shard_dim"] == (1 if r["name"].split(".")[-2] in ("o_proj", "down_proj") else 0), r
+            assert r["tp_size"] == 2 and 2 * r["local"][r["shard_dim"]] == r["full"][r["shard_dim"]], r
+    for group in ((0, 1), (2, 3)):
+        owners = {}
+        for rank in group:
+            for r in by_rank[rank]:
+                owners[r["name"]] = owners.get(r["name"], 0) + r["is_tp_owner"]
+        assert owners and set(owners.values()) == {1}, (group, owners)
 
 
 def test_param_policies_resolve_in_order_with_the_public_spellings():

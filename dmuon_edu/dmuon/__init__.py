@@ -32,8 +32,10 @@ per optimizer step, the first N-1 inside no_sync):
   ``p._accumulated_grad`` and FSDP2 skips its reduce-scatter; the next backward outside
   no_sync reduces everything: 1 * P_M per step (N * P_M without no_sync).
 - step: owners run Muon on their matrices (same shapes batched through NS); AdamW
-  steps the shards. The only communication is one all_reduce of a one-element flag:
-  if any gradient on any rank holds NaN or Inf, every rank skips the step (optim.py).
+  steps the shards. The only communication is one all_reduce of six float64 numbers
+  (48 bytes): a flag, so that if any gradient on any rank holds NaN or Inf, every rank
+  skips the step; a flag for a clip that saw only the FSDP2 gradients; and the order
+  check's event count and hash, each with its negation (optim.py).
   Non-owner copies are dropped: the next forward's broadcast publishes the new values.
 
 HSDP (``dedicate_params(model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"])``
@@ -74,7 +76,8 @@ Modules, each importing only those before it: plan.py (owners), names.py (names
 without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
 placeholders), order.py (the same collectives on every rank), boundary.py (hook
 boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
-residency and gradient hooks, no_sync, ownership), ddp.py (dedicate_params_ddp, replicate, and their TP forms), clip.py (clip_grad_norm_),
+residency and gradient hooks, no_sync, ownership), dedicated_params.py (the public getters'
+records), ddp.py (dedicate_params_ddp, replicate, and their TP forms), clip.py (clip_grad_norm_),
 ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
 diagnostics.py (summaries of the plan and the groups), hardware.py (the machine: collective
 costs, matmul rates, calibrate(), GPU presets), step_time.py (a step's predicted seconds,
@@ -88,7 +91,9 @@ from .ddp import dedicate_params_ddp, dedicate_params_ddp_tp, replicate, replica
 from .dedicate import dedicate_params, held_bytes, in_flight_bytes, no_sync, ownership
 from .diagnostics import format_summary, summarize_comm_plan, summarize_param_groups
 from .hardware import HARDWARE, Hardware, LinkCost, calibrate
-from .ns_backend import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz
+from .dedicated_params import DedicatedParam, get_dedicated_params, get_owned_params
+from .ns_backend import (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSchulz, get_backend_status, get_ns_backend,
+                         gram_newton_schulz, newton_schulz)
 from .optim import Muon
 from .plan import imbalance, plan_owners
 from .policy import DMuonParamPolicy
@@ -119,6 +124,13 @@ __all__ = [
     "MuonGradClipStats",
     "DMuonParamPolicy",
     "NewtonSchulz",
+    "newton_schulz",
+    "gram_newton_schulz",
+    "get_ns_backend",
+    "get_backend_status",
+    "get_dedicated_params",
+    "get_owned_params",
+    "DedicatedParam",
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
     "summarize_comm_plan",

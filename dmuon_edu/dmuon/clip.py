@@ -76,7 +76,7 @@ class MuonGradClipStats:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_norm: float | None, *,
+def clip_grad_norm_(optimizer: torch.optim.Optimizer | nn.Module, max_norm: float | None, *,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
                     strategy: str = "global_norm") -> MuonGradClipStats:
     """Measure the global gradient norm and scale the gradients so that it is at most ``max_norm``; a collective.
@@ -84,8 +84,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
     Call it after the last backward of the window, outside no_sync, on every rank.
 
     Args:
-        model_or_optimizer: a model prepared with ``dedicate_params`` (every gradient),
-            or its dmuon.Muon (the Muon gradients only; see the module docstring).
+        optimizer: a dmuon.Muon (the Muon gradients only: the public project's form and
+            keyword), or the model it was built for (every gradient; see the module docstring).
         max_norm: the largest allowed norm, a finite number > 0; None measures only.
         norm_type: the norm's order p > 0, or ``inf``.
         error_if_nonfinite: raise if the norm is NaN or Inf (on every rank alike),
@@ -118,13 +118,12 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | torch.optim.Optimizer, max_n
         raise ValueError(f"norm_type must be a number > 0 or math.inf, got {norm_type!r}; 2.0 is the usual one")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown clipping strategy {strategy!r}: dmuon has {', '.join(map(repr, STRATEGIES))}")
-    if isinstance(model_or_optimizer, nn.Module):
-        state, model, optimizer = state_of(model_or_optimizer), model_or_optimizer, None
-    elif isinstance(model_or_optimizer, torch.optim.Optimizer) and isinstance(
-            getattr(model_or_optimizer, "_dmuon", None), DMuonState):
-        state, model, optimizer = model_or_optimizer._dmuon, None, model_or_optimizer
+    if isinstance(optimizer, nn.Module):
+        state, model, optimizer = state_of(optimizer), optimizer, None
+    elif isinstance(optimizer, torch.optim.Optimizer) and isinstance(getattr(optimizer, "_dmuon", None), DMuonState):
+        state, model = optimizer._dmuon, None
     else:
-        raise TypeError(f"clip_grad_norm_ takes the model or its dmuon.Muon, got {type(model_or_optimizer).__name__}")
+        raise TypeError(f"clip_grad_norm_ takes the model or its dmuon.Muon, got {type(optimizer).__name__}")
     if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
         raise RuntimeError(
             "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
@@ -192,10 +191,12 @@ def _global_norm(state: DMuonState, grads: list[torch.Tensor], norm_type: float,
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     if math.isinf(norm_type):
-        with state.order.collective("clip_grad_norm_'s all-reduce (max) of the largest gradient entry"):
+        with state.order.collective("clip_grad_norm_'s all-reduce (max) of the largest gradient entry",
+                                    state.everyone):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.everyone)
         return local
     powered = local.pow(norm_type)
-    with state.order.collective(f"clip_grad_norm_'s all-reduce of gradient norms to the power {norm_type}"):
+    with state.order.collective(f"clip_grad_norm_'s all-reduce of gradient norms to the power {norm_type}",
+                                state.everyone):
         dist.all_reduce(powered, group=state.everyone)
     return powered.pow(1.0 / norm_type)

@@ -68,6 +68,7 @@ from dmuon_edu.distributed import release_gloo_workers_at_exit
 from . import fsdp_exclusion, placeholder, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
+from . import order as order_module
 from .order import CollectiveOrder
 from .plan import plan_owners
 from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
@@ -229,7 +230,7 @@ class DMuonState:
                 flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
             description = (f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
                            f"({flat.numel()} values of {dtype})")
-            event = self.order.check(description)
+            event = self.order.check(description, self.group)
             work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
             unit.in_flight.append(InFlight(event, description, owner, params, flat, work))
         unit.resident = True
@@ -350,7 +351,7 @@ class DMuonState:
         bucket.ready.clear()
         description = (f"the reduce of {bucket.unit.path or 'the model'}'s gradients to rank {bucket.owner} "
                        f"({len(params)} matrices, {flat.numel()} values of {wire_dtype})")
-        event = self.order.check(description)
+        event = self.order.check(description, self.group)
         work = dist.reduce(flat, group=self.group, group_dst=bucket.owner, op=dist.ReduceOp.AVG, async_op=True)
         self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work, bucket.replica))
 
@@ -375,7 +376,7 @@ class DMuonState:
                 continue
             description = (f"the reduce of {len(sent.params)} matrices' replica gradients to replica "
                            f"{sent.replica} ({sent.flat.numel()} values)")
-            event = self.replicate_order.check(description)
+            event = self.replicate_order.check(description, self.replicate_group)
             work = dist.reduce(sent.flat, group=self.replicate_group, group_dst=sent.replica, op=dist.ReduceOp.AVG,
                                async_op=True)
             across.append(InFlight(event, description, sent.replica, sent.params, sent.flat, work, sent.replica))
@@ -447,7 +448,7 @@ def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me
         else:
             flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype, device=device)
         description = f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"
-        event = order.check(description)
+        event = order.check(description, group)
         work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
         started.append(InFlight(event, description, source, params, flat, work))
     # Marked once every broadcast has started, so that each marked matrix is one that land() brings
@@ -784,7 +785,8 @@ def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: 
              policies[name].optimizer) for name, p in params.items()]
     replica = replicate_mesh.get_local_rank() if replicate_mesh is not None else 0
     here = (f"dmuon/order/{uuid.uuid4().hex}", mine, (replica, mesh.get_local_rank()), dist.get_rank())
-    group = mesh.get_group() if replicate_mesh is None else None  # None: the default group, every rank
+    group = mesh.get_group() if replicate_mesh is None else dist.group.WORLD
+    _meet_every_rank(entry, group)
     everyone: list = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(everyone, here, group=group)
@@ -814,6 +816,35 @@ def _agree_on_every_rank(entry: str, params: dict[str, nn.Parameter], policies: 
             "exactly one rank. Pass mesh2d['shard'] and mesh2d['replicate'] of the same init_device_mesh"
         )
     return everyone[0][0], rank_at
+
+
+# Per process group: how many times this rank has entered dedicate_params (or its DDP forms) on it.
+_ENTRIES: dict[str, int] = defaultdict(int)
+
+
+def _meet_every_rank(entry: str, group: dist.ProcessGroup) -> None:
+    """Wait, in the store, until every rank of ``group`` has entered ``entry`` as often as this one; raise naming
+    those that did not within the group's timeout.
+
+    A rank that never calls ``entry`` runs something else on the group meanwhile: the first collective of the
+    others would meet one of another size, which gloo answers by aborting the process natively. Only a timed
+    wait can tell a rank that never comes from a slow one, and the store's is one that cannot mismatch.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    _ENTRIES[group.group_name] += 1
+    prefix = f"dmuon/entered/{group.group_name}/{_ENTRIES[group.group_name]}"
+    ranks = dist.get_process_group_ranks(group)
+    store.set(f"{prefix}/{dist.get_rank()}", entry)
+    timeout = order_module.group_timeout(group)
+    try:
+        store.wait([f"{prefix}/{rank}" for rank in ranks], timeout)
+    except RuntimeError:  # DistStoreError: not every key in time
+        absent = [rank for rank in ranks if not store.check([f"{prefix}/{rank}"])]
+        raise RuntimeError(
+            f"{entry}: rank(s) {', '.join(map(str, absent))} did not call {entry} within the group's timeout "
+            f"({timeout.total_seconds():g} s), while rank {dist.get_rank()} waited for them. Every rank must call "
+            f"it, with the same model and predicate: a call under `if rank == 0:` leaves the others out"
+        ) from None
 
 
 def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, nn.Parameter]],
@@ -867,14 +898,14 @@ def _resident_before(state: DMuonState, unit: Unit):
 
 def _outside_dynamo(hook):
     """A hook torch.compile runs eagerly, between graphs: collectives and data swaps are not traced."""
-    return torch._dynamo.disable(hook, recursive=True)
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
     if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
         state.microbatch += 1
     state.order.check(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
-                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")
+                      f"{'inside' if state.in_no_sync else 'outside'} no_sync", None)  # no collective of its own
     state.issue_broadcasts(unit)
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
         state.prefetch(unit, +1)

@@ -1,4 +1,7 @@
-"""The one place where dmuon reaches into torch internals: fully_shard skips dedicated parameters.
+"""The one place where dmuon patches torch: fully_shard skips dedicated parameters.
+
+(dmuon also calls private torch functions and attributes without patching them; each is
+named, with a probe of what dmuon relies on, in tests/test_torch_internals.py.)
 
 The dmuon API, as the dmuon project's gradient-accumulation guide uses it, calls a plain
 ``fully_shard(layer, mesh=mesh)`` after ``dedicate_params``, without ``ignored_params``,

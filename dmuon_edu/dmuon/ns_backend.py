@@ -20,6 +20,10 @@ What each part becomes here:
 - ``restart_iterations``: None only; the Gram-space segments here are the pairs above.
 - The products run in ``ns_dtype`` ("auto": bf16 where the hardware multiplies it
   natively, float32 elsewhere), where the public project uses fp16.
+
+The public project's module-level names are here too: :func:`newton_schulz` and
+:func:`gram_newton_schulz` (Gram space, as its defaults), :func:`get_ns_backend` (a line
+for a log) and :func:`get_backend_status` (its keys, with what this machine has).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from collections.abc import Sequence
 
 import torch
 
-from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, check_coefficients, newton_schulz
+from dmuon_edu import newton_schulz as ns
+from dmuon_edu.newton_schulz import POLAR_EXPRESS_PAPER, YOU, _fold_input_margin, check_coefficients
 
-__all__ = ["NewtonSchulz", "POLAR_EXPRESS_COEFFICIENTS", "YOU_COEFFICIENTS", "as_backend"]
+__all__ = ["NewtonSchulz", "POLAR_EXPRESS_COEFFICIENTS", "YOU_COEFFICIENTS", "as_backend", "newton_schulz",
+           "gram_newton_schulz", "get_ns_backend", "get_backend_status"]
 
 # The public dmuon project's POLAR_EXPRESS_COEFFICIENTS: the Polar Express paper's five tuples, each scaled by a
 # 1.05 safety factor, p(x / 1.05).
@@ -85,8 +91,8 @@ class NewtonSchulz:
 
     def orthogonalise(self, G: torch.Tensor, steps: int, dtype: torch.dtype | str, overwrite_input: bool = False):
         """dmuon_edu.newton_schulz of ``G`` (a matrix or a batch) with this configuration."""
-        return newton_schulz(G, steps, coefficients=self.coefficients or "jordan", dtype=dtype,
-                             overwrite_input=overwrite_input, gram_space=self.backend == "gram")
+        return ns.newton_schulz(G, steps, coefficients=self.coefficients or "jordan", dtype=dtype,
+                                overwrite_input=overwrite_input, gram_space=self.backend == "gram")
 
     def __repr__(self) -> str:
         coefficients = "Keller Jordan's" if self.coefficients is None else f"{len(self.coefficients)} tuples"
@@ -104,3 +110,43 @@ def as_backend(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
     if not isinstance(ns_backend, NewtonSchulz):
         raise TypeError(f"ns_backend must be 'gram', 'direct' or a dmuon.NewtonSchulz, got {type(ns_backend).__name__}")
     return ns_backend
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients: Sequence[Sequence[float]] | None = None,
+                  restart_iterations: Sequence[int] | None = None) -> torch.Tensor:
+    """The public dmuon's ``newton_schulz``: G orthogonalised in Gram space (its default), with
+    ``NewtonSchulz("gram", coefficients=..., restart_iterations=...)``'s checks and meanings
+    (None: Keller Jordan's coefficients), in newton_schulz's "auto" dtype for G's device.
+
+    Raises:
+        ValueError, TypeError: as :class:`NewtonSchulz` and dmuon_edu.newton_schulz do.
+    """
+    return gram_newton_schulz(G, steps, eps, coefficients, restart_iterations)
+
+
+def gram_newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                       coefficients: Sequence[Sequence[float]] | None = None,
+                       restart_iterations: Sequence[int] | None = None, deterministic: bool = False) -> torch.Tensor:
+    """The public dmuon's ``gram_newton_schulz``: :func:`newton_schulz`, ``deterministic`` accepted as in
+    :class:`NewtonSchulz` (torch's matmul is what runs either way)."""
+    backend = NewtonSchulz("gram", coefficients=coefficients, restart_iterations=restart_iterations,
+                           deterministic=deterministic)
+    return ns.newton_schulz(G, steps, eps=eps, coefficients=backend.coefficients or "jordan", dtype="auto")
+
+
+def get_ns_backend() -> str:
+    """A line for a start-up log, in the public project's form: what runs Newton-Schulz here."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        where = f"SM{major}{minor}"
+    else:
+        where = "CPU"
+    return f"Gram NS · kernel=cublas ({where}, torch.matmul; the public project's SYRK kernels are absent)"
+
+
+def get_backend_status() -> dict:
+    """The public project's status keys: ``sm_version`` (0 on a CPU), ``auto_choice`` ("cublas": torch's matmul,
+    the one kernel here), and whether its SYRK kernels are available (never, here)."""
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    return {"sm_version": 10 * major + minor, "auto_choice": "cublas", "quack_available": False,
+            "cute_sm80_available": False, "cublas_always_available": True}

@@ -367,7 +367,7 @@ class Muon(torch.optim.Optimizer):
         state.symmetric_sample = None  # the next backward takes its own
         everyone = state.everyone
         if dist.get_world_size(everyone) > 1:
-            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag")
+            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag", everyone)
             events, crc = state.order.digest()
             agreed[2:] = torch.tensor([events, -events, crc, -crc], dtype=torch.float64)
             with state.order.waiting(event, "the optimizer step's all-reduce of its finite-gradients flag"):

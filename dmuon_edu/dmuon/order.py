@@ -26,9 +26,21 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
   divergence that made the ranks wait in different collectives) publishes its log
   through the store and compares it with the others': the error names the first event
   where two ranks differ. A divergence whose collectives differ in size can end in a
-  native abort of the collective library before either check runs; ``"strict"`` turns
-  it into dmuon's message.
+  native abort of the collective library before either check runs on NCCL; on gloo the
+  agreement below turns it into dmuon's message.
 - ``"off"``: nothing is checked or recorded.
+
+On gloo, in both checking modes, the ranks also *agree* before each of dmuon's
+collectives: one all-reduce (max) of four float64 numbers over the collective's group,
+the event's number and the hash of its description, each with its negation. gloo
+aborts the whole process, natively, when a collective's sizes differ between ranks (a
+rank evaluating on rank 0 only pairs its forward's broadcast with its peer's backward
+one); the agreement always has the same size, so a divergence meets a divergence there,
+and every rank of the group learns of it at once, before the collective runs, and raises
+with the first differing events (:meth:`CollectiveOrder.compare_logs`). Its cost is
+measured in ``make bench`` (docs/benchmarks.md). NCCL does not abort on such a mismatch
+(its watchdog times the collective out), and the agreement would cost a host sync per
+collective there, so it is gloo's only.
 
 With HSDP the replicate axis has an order of its own per shard index, and with tensor
 parallelism each TP group one (tp.py), in the same mode; their events follow from the
@@ -49,13 +61,22 @@ import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveOrder", "MODES", "SLOTS"]
+__all__ = ["CollectiveOrder", "MODES", "SLOTS", "AGREEMENT_BYTES", "group_timeout"]
 
 SLOTS = 1024
 MODES = ("strict", "per_step", "off")
+AGREEMENT_BYTES = 32  # gloo's agreement before each collective: four float64 (the event's number, its hash, negated)
 LOG_WAIT_S = 15.0  # how long a rank that timed out waits for the others' logs (they time out too, about then)
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """How long a collective on ``group`` waits: the timeout it was created with (init_process_group's or
+    new_group's), which a wait in the store that stands in for one of its collectives takes too."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
 
 
 class CollectiveOrder:
@@ -78,15 +99,17 @@ class CollectiveOrder:
         self.crc = 0  # running CRC-32 of every description so far
         self.log: deque[tuple[int, str]] = deque(maxlen=SLOTS)  # the last SLOTS events, for a diagnosis
         self.round_trips = 0  # store round trips made by the checks (what "strict" costs)
+        self.agreements = 0  # gloo's all-reduces before dmuon's collectives (what the agreement costs)
 
     @property
     def strict(self) -> bool:
         return self.mode == "strict" or (self.mode == "per_step" and self.steps < self.strict_steps)
 
     @contextlib.contextmanager
-    def collective(self, description: str) -> Iterator[None]:
-        """Bracket one synchronous collective: check it is every rank's next one, explain its failure."""
-        with self.waiting(self.check(description), description):
+    def collective(self, description: str, group: dist.ProcessGroup | None) -> Iterator[None]:
+        """Bracket one synchronous collective over ``group`` (None: the default group): check it is every rank's
+        next one, explain its failure."""
+        with self.waiting(self.check(description, group or dist.group.WORLD), description):
             yield
 
     @contextlib.contextmanager
@@ -105,15 +128,18 @@ class CollectiveOrder:
                 ) from error
             raise
 
-    def check(self, description: str) -> int:
+    def check(self, description: str, group: dist.ProcessGroup | None) -> int:
         """Record ``description`` as this rank's next event and return its number; in strict mode, raise
-        unless it is what the first rank to get here described as this event."""
+        unless it is what the first rank to get here described as this event. ``group``: the process group of
+        the collective the event is about to run (None: an event without one); on gloo its ranks agree first."""
         n = self.issued
         self.issued += 1
         if self.mode == "off":
             return n
         self.crc = zlib.crc32(description.encode(), self.crc)
         self.log.append((n, description))
+        if group is not None and dist.get_backend(group) == "gloo":
+            self._agree(n, description, group)
         if not self.strict:
             return n
         slot = f"{self.key}/{n % SLOTS}"
@@ -129,6 +155,20 @@ class CollectiveOrder:
             self.store.compare_set(f"{self.key}/diverged", "", message)
             raise RuntimeError(message)
         return n
+
+    def _agree(self, n: int, description: str, group: dist.ProcessGroup) -> None:
+        """One all-reduce (max) of [n, -n, hash, -hash] over ``group``: equal on every rank exactly when they
+        are about to run the same event (up to CRC collisions); raise on every rank of the group if not."""
+        digest = zlib.crc32(description.encode())
+        numbers = torch.tensor([n, -n, digest, -digest], dtype=torch.float64)
+        with self.waiting(n, f"the agreement before {description}"):
+            dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+        self.agreements += 1
+        if numbers[0] != -numbers[1] or numbers[2] != -numbers[3]:
+            report = self.compare_logs() or (
+                f"dmuon: the ranks are about to run different collectives at event #{n} (this rank, {self.rank}: "
+                f"{description}), and their logs sent within {LOG_WAIT_S:.0f} s do not say where they parted")
+            raise RuntimeError(f"{report}. Found before the collective ran, on every rank")
 
     def digest(self) -> tuple[int, int]:
         """(events so far, their running CRC-32): equal on every rank exactly when the descriptions were (up to
@@ -181,7 +221,8 @@ def _message(n: int, rank, description: str, other_rank, other: str) -> str:
         f"dmuon: the ranks diverged at their event #{n}: rank {rank} is about to run {description}, "
         f"but rank {other_rank} ran {other}. Every rank must run the same layers with dedicated matrices, "
         "in the same order, in every forward and backward: a branch that skips or repeats a layer on some "
-        "ranks pairs one layer's collective with another's. Run every layer on every rank (to skip one, "
-        "mask its output instead), and, accumulating, the same number of micro-batches per optimizer step "
-        "on every rank, all but the last inside no_sync"
+        "ranks (LayerDrop, an early exit, an evaluation under `if rank == 0:`) pairs one layer's collective "
+        "with another's. Run every layer on every rank (to skip one, mask its output instead; evaluate on "
+        "every rank), and, accumulating, the same number of micro-batches per optimizer step on every rank, "
+        "all but the last inside no_sync"
     )

@@ -127,10 +127,11 @@ def _refusal(p: torch.Tensor, operation: str) -> str:
 def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
     """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident (a DTensor: its local
     tensor emptied; guard the modules holding it with :func:`guard_state_dict`)."""
-    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank, p._dmuon_shape = name, owner, rank, p.shape
-    if isinstance(p, DTensor):
+    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank = name, owner, rank
+    if isinstance(p, DTensor):  # its _dmuon_shape is its local shard's (dedicate.py)
         release(p)
         return
+    p._dmuon_shape = p.shape
     _remember_own_class(p)
     release(p)
 

@@ -151,7 +151,7 @@ def gather_gradients(state) -> None:
         pieces = [torch.empty_like(shard) for _ in range(tp.size)] if tp.index == tp.owner else None
         description = (f"the TP gather of {state.name_of[p]}'s gradient to TP rank {tp.owner} "
                        f"({shard.numel()} values each)")
-        event = tp.order.check(description)
+        event = tp.order.check(description, tp.group)
         work = dist.gather(shard.contiguous(), pieces, group=tp.group, group_dst=tp.owner, async_op=True)
         pending.append((p, tp, pieces, event, description, work))
     for p, tp, pieces, event, description, work in pending:
@@ -171,7 +171,7 @@ def apply_updates(state, hyper_of) -> None:
         pieces = list(tp.proxy.chunk(tp.size, dim=tp.dim)) if tp.index == tp.owner else None
         pieces = [piece.contiguous() for piece in pieces] if pieces is not None else None
         description = f"the TP scatter of {state.name_of[p]}'s update from TP rank {tp.owner} ({received.numel()} values each)"
-        event = tp.order.check(description)
+        event = tp.order.check(description, tp.group)
         work = dist.scatter(received, pieces, group=tp.group, group_src=tp.owner, async_op=True)
         pending.append((p, tp, received, event, description, work))
     for p, tp, received, event, description, work in pending:
@@ -191,15 +191,16 @@ def full_tensor(state, p: nn.Parameter, value: torch.Tensor | None, shape, dtype
     if shape is not None:  # the TP owner's full state: one broadcast over every rank
         buffer = (value.detach().clone() if state.steps(p)
                   else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
-        with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner"):
+        with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner", None):
             dist.broadcast(buffer, src=state.owners[name])
         return buffer
     shard = (p._dmuon_master.detach().clone() if state.owns(p)
              else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
-    with state.order.collective(f"the state dict's broadcast of {name}'s shard from rank {state.owner_of(p)}"):
+    with state.order.collective(f"the state dict's broadcast of {name}'s shard from rank {state.owner_of(p)}",
+                                state.group):
         dist.broadcast(shard, group=state.group, group_src=state.owner_of(p))
     pieces = [torch.empty_like(shard) for _ in range(tp.size)]
-    with tp.order.collective(f"the state dict's TP all-gather of {name}"):
+    with tp.order.collective(f"the state dict's TP all-gather of {name}", tp.group):
         dist.all_gather(pieces, shard, group=tp.group)
     return torch.cat(pieces, dim=tp.dim)
 

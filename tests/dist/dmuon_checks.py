@@ -22,6 +22,7 @@ import contextlib
 import copy
 import datetime
 import io
+import math
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import check_channel
-from dmuon_edu import checkpoint, distributed, dmuon, muon
+from dmuon_edu import checkpoint as checkpoints, distributed, dmuon, muon
 from dmuon_edu.course.dmuon_problem import is_dedicated as predicate, per_rank
 from dmuon_edu.dmuon import step_time
 from dmuon_edu.dmuon.names import fqn
@@ -620,9 +621,9 @@ def check_mixed_precision(mesh, zero3, via_compute_dtype=False, backend="fsdp2")
            broadcast_bytes=broadcast_bytes, dedicated_bytes_fp32=dedicated_bytes(ref), zero3=zero3, k=K)
 
 
-PUBLIC_DEFAULTS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
-                       adjust_lr_fn="match_rms_adamw")
-PUBLIC_ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8)
+# The groups' hyperparameters that dmuon.Muon's defaults set (the test compares them with the public signatures)
+MUON_GROUP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "adjust_lr_fn")
+ADAMW_GROUP_KEYS = ("lr", "betas", "weight_decay", "eps")
 
 
 def check_public_api(mesh, directory):
@@ -636,8 +637,8 @@ def check_public_api(mesh, directory):
         fully_shard(layer, mesh=mesh)
     fully_shard(plain, mesh=mesh)
     defaults = dmuon.Muon(plain)
-    muon_group = {k: defaults.param_groups[0][k] for k in PUBLIC_DEFAULTS}
-    adamw_group = {k: defaults.param_groups[1][k] for k in PUBLIC_ADAMW_DEFAULTS}
+    muon_group = {k: defaults.param_groups[0][k] for k in MUON_GROUP_KEYS}
+    adamw_group = {k: defaults.param_groups[1][k] for k in ADAMW_GROUP_KEYS}
 
     # Train two steps, then save the documented way: full state dicts, torch.save on rank 0.
     model, opt = build(mesh, zero3=True)
@@ -654,7 +655,7 @@ def check_public_api(mesh, directory):
     distributed.barrier()
     loaded = torch.load(path, weights_only=False)
     # The same full state dicts (rank 0's only) through checkpoint.save: refused on every rank, naming the options.
-    refused_save = error_of(lambda: checkpoint.save({"model": model_sd, "optim": optim_sd}, f"{directory}/rank0-only"))
+    refused_save = error_of(lambda: checkpoints.save({"model": model_sd, "optim": optim_sd}, f"{directory}/rank0-only"))
     fresh, fresh_opt = build(mesh, zero3=True, seed=123)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, schedule)  # before the load: it sets lr
     fresh_sched.load_state_dict(sched.state_dict())
@@ -687,7 +688,6 @@ def check_public_api(mesh, directory):
     ref_full_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item()
     ref_inf_norm = max(p.grad.abs().max().item() for p in ref.parameters())
     report("public_api", muon_group=muon_group, adamw_group=adamw_group,
-           public_defaults=PUBLIC_DEFAULTS, public_adamw_defaults={**PUBLIC_ADAMW_DEFAULTS, "betas": [0.9, 0.999]},
            full_on_cpu=on_cpu, kept_per_rank=per_rank(kept), restored_max_diff=restored,
            refused_rank0_only_save=per_rank(refused_save),
            continued_max_diff=continued, from_tracking_max_diff=from_tracking,
@@ -700,6 +700,159 @@ def check_public_api(mesh, directory):
                            "found_inf": bool(stats.found_inf), "strategy": stats.strategy,
                            "zero_dim": all(getattr(stats, f).ndim == 0 for f in ("total_norm", "found_inf")),
                            "kept": opt.last_muon_grad_clip_stats is stats, "unchanged": unchanged}))
+
+
+# The public dmuon's examples, X-Square-Robot/dmuon at this commit: their calls, in their order, with only the
+# device, the backend, the import and the sizes changed (fewer layers and steps, smaller matrices).
+PUBLIC_EXAMPLES_COMMIT = "f002f24a7e7397ae4b92ee6fd33fe62c75e9deb2"
+
+
+class ExampleBlock(nn.Module):  # examples/basic_dp.py's Block, d=512, ff=2048 there
+    def __init__(self, d=16, ff=32):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ff, bias=False)
+        self.up_proj = nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.down_proj(self.gate_proj(h) * self.up_proj(h))
+
+
+class ExampleTinyModel(nn.Module):  # examples/basic_dp.py's TinyModel
+    def __init__(self, num_layers=2, d=16, ff=32):
+        super().__init__()
+        self.layers = nn.ModuleList([ExampleBlock(d, ff) for _ in range(num_layers)])
+        self.head = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def check_public_basic_dp(directory):
+    """examples/basic_dp.py (PUBLIC_EXAMPLES_COMMIT), from its mesh to its checkpoint's load, on gloo ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(42)
+    model = ExampleTinyModel()
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, ns_steps=5, adamw_lr=1e-3, adamw_weight_decay=0.01)
+    owned = dmuon.get_owned_params(model, rank=rank)  # the example prints these on rank 0
+    total = sum(dp.numel for dp in owned)
+    backend = dmuon.get_ns_backend()
+    losses = []
+    for step in range(3):  # 50 there
+        optimizer.zero_grad()
+        x = torch.randn(4, 16)
+        loss = model(x)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model_sd = dmuon.get_model_state_dict(model)
+    optim_sd = dmuon.get_optimizer_state_dict(model, optimizer)
+    path = f"{directory}/dmuon_ckpt.pt"  # /tmp/dmuon_ckpt.pt there
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd, "step": 3}, path)
+    dist.barrier()
+    ckpt = torch.load(path, map_location="cpu")
+    before = full_params(model)
+    dmuon.set_model_state_dict(model, ckpt["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, ckpt["optim"])
+    after = full_params(model)
+    report("public_basic_dp", owned=per_rank(sorted(dp.param_name for dp in owned)),
+           owned_elements=per_rank(total), ownership=dmuon.ownership(model), ns_backend=backend,
+           losses_finite=all(math.isfinite(v) for v in losses),
+           reloaded_max_diff=max((before[n] - after[n]).abs().max().item() for n in before))
+
+
+class ExampleAttention(nn.Module):  # examples/tp_dp.py's Attention (GQA), d=256 there
+    def __init__(self, d=16, n_heads=4, n_kv_heads=2):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d // n_heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        repeat = self.n_heads // self.n_kv_heads
+        return self.o_proj(q + k.repeat(1, 1, repeat) + v.repeat(1, 1, repeat))
+
+
+class ExampleMLP(nn.Module):  # examples/tp_dp.py's MLP, ff=1024 there
+    def __init__(self, d=16, ff=32):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ff, bias=False)
+        self.up_proj = nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.gate_proj(x) * self.up_proj(x))
+
+
+class ExampleTransformerBlock(nn.Module):
+    def __init__(self, d=16, ff=32):
+        super().__init__()
+        self.attn, self.mlp = ExampleAttention(d), ExampleMLP(d, ff)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ExampleTinyTransformer(nn.Module):  # examples/tp_dp.py's TinyTransformer, 4 layers there
+    def __init__(self, num_layers=2, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList([ExampleTransformerBlock(d) for _ in range(num_layers)])
+        self.head = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def check_public_tp_dp():
+    """examples/tp_dp.py (PUBLIC_EXAMPLES_COMMIT) on 4 gloo ranks as 2 DP x 2 TP, its record inspection included."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dp_size = 2
+    tp_size = world_size // dp_size
+    mesh_2d = init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    dp_mesh, tp_mesh = mesh_2d["dp"], mesh_2d["tp"]
+    torch.manual_seed(42)
+    model = ExampleTinyTransformer()
+    for layer in model.layers:
+        parallelize_module(layer.attn, tp_mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                 "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        parallelize_module(layer.mlp, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                "down_proj": RowwiseParallel()})
+    dmuon.dedicate_params(model, dp_mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, momentum=0.95, adamw_lr=1e-3)
+    backend = dmuon.get_ns_backend()
+    records = [{"name": dp.param_name, "local": list(dp._orig_size), "full": list(dp.full_shape),
+                "shard_dim": dp.shard_dim, "tp_size": dp.tp_group.size() if dp.tp_group is not None else None,
+                "is_tp_owner": dp.is_tp_owner} for dp in dmuon.get_owned_params(model, rank=0)]
+    losses = []
+    for step in range(3):  # 30 there
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, 16)  # (batch, seq, d)
+        loss = model(x)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    report("public_tp_dp", owned_by_shard_0=per_rank(records), ns_backend=backend,
+           losses_finite=all(math.isfinite(v) for v in losses))
 
 
 def _reference_at(params):
@@ -743,11 +896,15 @@ def check_misuse(mesh):
     stage.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(stage.layers) if i % world == rank})
     stage.embed, stage.head = (stage.embed, None) if rank == 0 else (None, stage.head)
     outcome["pipeline_stages"] = error_of(lambda: dmuon.dedicate_params(stage, mesh, predicate))
-    # One rank never calls dedicate_params: the others give up at the group's timeout, with a message.
+    # One rank never calls dedicate_params, and runs a collective of its own on the group meanwhile (gloo aborted
+    # both processes natively on the size mismatch, 180 bytes against 4): the caller gives up at the group's
+    # timeout, naming the rank that never came.
     short = short_timeout_mesh()
     if rank == 0:
         torch.manual_seed(0)
         outcome["a_rank_never_calls"] = error_of(lambda: dmuon.dedicate_params(Net(), short, predicate))
+    else:
+        outcome["a_rank_never_calls"] = error_of(lambda: dist.all_reduce(torch.zeros(45), group=short.get_group()))
     distributed.barrier()
     # torch.autocast around dmuon's forward and backward.
     model, opt = build(mesh, zero3=True)
@@ -769,7 +926,8 @@ class ScheduleLog(TorchDispatchMode):
         self.events = []
         order = model._dmuon.order
         check = order.check
-        order.check = lambda description: (self.events.append(("dmuon", description)), check(description))[1]
+        order.check = lambda description, group: (self.events.append(("dmuon", description)),
+                                                   check(description, group))[1]
         for i, layer in enumerate(model.layers):
             layer.register_forward_hook(lambda _m, _a, out, i=i: self._end_of_forward(i, out))
 
@@ -1363,12 +1521,14 @@ def check_order_modes(mesh):
     train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
                  use_no_sync=True)
     state = model._dmuon
-    # Each rank waits in a broadcast from the other: both receive, both time out.
+    # Each rank waits in a broadcast from the other: both receive, both time out. The event goes without gloo's
+    # agreement (no group given), which would have refused it before it ran: as on NCCL, only the timeout tells.
     target = next(p for p in state.params.values() if not state.owns(p))
     buffer = torch.empty(target._dmuon_shape)
 
     def wait():
-        with state.order.collective(f"a test broadcast of {state.name_of[target]} from rank {state.owner_of(target)}"):
+        description = f"a test broadcast of {state.name_of[target]} from rank {state.owner_of(target)}"
+        with state.order.waiting(state.order.check(description, None), description):
             dist.broadcast(buffer, group=state.group, group_src=state.owner_of(target))
 
     outcome["timeout"] = error_of(wait)
@@ -1383,6 +1543,33 @@ def check_order_modes(mesh):
 # ------------------------------------------------------------------ the DDP backend (dedicate_params_ddp)
 DDP_ROUTED = "layers.0.k_proj.weight"  # routed to AdamW by param_policy: its owner steps it with AdamW
 DDP_FROZEN = "layers.2.down_proj.weight"  # requires_grad=False: never reduced, never broadcast
+
+
+def check_evaluation_on_one_rank():
+    """A classic port bug: after a step, rank 0 alone evaluates (a forward under no_grad). Its peers' next
+    collectives pair with that forward's: gloo aborted both processes natively on the first size mismatch (26 s
+    in, no Python error). Per order_check mode, what each rank raises and how long after the evaluation."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    outcome = {}
+    for mode in ("per_step", "strict"):
+        model, opt = build(mesh, zero3=True, muon_kwargs={"order_check": mode})
+        started = None
+        try:
+            for step in range(3):
+                mine, _, total = window(step, rank, world)
+                for x, y in mine:
+                    F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                started = time.perf_counter()
+                if rank == 0:
+                    with torch.no_grad():
+                        model(mine[0][0])
+            outcome[mode] = {"error": None}
+        except RuntimeError as error:
+            outcome[mode] = {"error": str(error), "seconds": time.perf_counter() - started}
+    report("evaluation_on_one_rank", **per_rank_outcomes(outcome))
 
 
 def _initial_model():
@@ -1572,11 +1759,14 @@ def check_ddp(mesh):
         for step in range(STEPS):
             mine, _, total = window(step, rank, world)
             counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
+            agreed = model._dmuon.order.agreements
             with counter:
                 train_window(model, opt, schedulers[0], mine, total, use_no_sync,
                              clip_counter=clip_counter if step == 1 else None)
             if step == 1:
                 comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
+                comm["agreements"] = model._dmuon.order.agreements - agreed
+                comm["calls"] = {name: counter.calls.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
                 predicted = (time_model_counts(dmuon.LAYOUTS["dmuon DDP backend"], counter, clip_counter)
                              if use_no_sync else None)
             peer_counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
@@ -1744,7 +1934,8 @@ def time_model_counts(layout, counter, clip_counter, tp=False):
                       counter.bytes[name] - clip_counter.bytes.get(name, 0)] for name in counter.calls}
     workload = dmuon.Workload.from_model(Net(), predicate, tokens=1, tensor_parallel=TP_STYLES if tp else {})
     planned = step_time.counted(dmuon.planned_collectives(workload, layout, world_size=dist.get_world_size(),
-                                                          micro_batches=K, rank=dist.get_rank()))
+                                                          micro_batches=K, rank=dist.get_rank(),
+                                                          gloo=dist.get_backend() == "gloo"))
     return {"counted": {k: v for k, v in counted.items() if v[0]}, "planned": planned}
 
 
@@ -1807,6 +1998,7 @@ def main():
             for layout in ("tp", "ddp_tp"):
                 check_wrapped_checkpoints(mesh, layout)
             check_frozen(mesh, tp=True)
+            check_public_tp_dp()
             check_direct_reads(mesh, "ddp_tp")
             check_compiled_graphs(["tp alone", "tp", "ddp_tp"], "compiled_graphs_tp",
                                   styles=("checkpointed, wrapping", "plain, in place"))
@@ -1814,6 +2006,7 @@ def main():
             check_compiled(mesh)
             check_compiled_graphs(["alone", "z3", "z2", "ddp", "hsdp"], "compiled_graphs")
             check_public_api(mesh, directory)
+            check_public_basic_dp(directory)
             check_mixed_precision(mesh, zero3=True, via_compute_dtype=True)
             check_hook_boundaries(mesh)
             check_frozen(mesh)
@@ -1822,6 +2015,7 @@ def main():
             check_wrapped_checkpoints(mesh)
             check_partial_clip(mesh)
             check_order_modes(mesh)
+            check_evaluation_on_one_rank()
             check_calibrate()
             check_ddp(mesh)
             check_partial_clip(mesh, backend="ddp")
