@@ -7,11 +7,11 @@ step) of the course's small GPT (d 256, 4 layers, vocab 256, 8 x 64 tokens per
 micro-batch per rank), dmuon Z3 and Z2, with ``order_check`` "strict" (a store round
 trip before every event), "per_step" (the default, after its first step: a running
 CRC, compared inside the step's all-reduce) and "off", interleaved in rotated order.
-On gloo both checking modes also agree before each collective (one 32-byte all-reduce,
-order.py). Per mode, one step's events, store round trips and agreements
-(CollectiveOrder.issued, .round_trips, .agreements), the time spent inside the check
-(CollectiveOrder.check, the agreements included, timed on every rank, the slowest
-rank's) and the step's time, medians. The time inside the check is the cost: on a
+On gloo "per_step" also checks every event that runs a collective through the store
+(order.py: gloo aborts natively on a mismatch). Per mode, one step's events and store
+round trips (CollectiveOrder.issued and .round_trips), the time spent inside the check
+(CollectiveOrder.check, timed on every rank, the slowest rank's) and the step's time,
+medians. The time inside the check is the cost: on a
 shared machine the step times move by more than it.
 
 Events per step, for L layers with O owners each and N micro-batches with no_sync:
@@ -87,7 +87,7 @@ def worker():
             for r in range(REPEATS):
                 for mode in MODES[r % 3:] + MODES[:r % 3]:
                     order.mode = mode
-                    events, trips, agreed, in_check[0] = order.issued, order.round_trips, order.agreements, 0.0
+                    events, trips, in_check[0] = order.issued, order.round_trips, 0.0
                     dist.barrier()
                     start = time.perf_counter()
                     train_step(model, opt)
@@ -95,21 +95,19 @@ def worker():
                     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
                     times[mode].append(measured[0].item())
                     checking[mode].append(measured[1].item())
-                    counts[mode] = (order.issued - events, order.round_trips - trips, order.agreements - agreed)
+                    counts[mode] = (order.issued - events, order.round_trips - trips)
             owners = ranks.world_size if ranks.world_size <= 4 else 4  # the GPT's 4 matrices per layer
             k, L = MICRO_BATCHES, LAYERS
             formula = k * (L + 2 * L * owners) + L * owners + 1 if zero3 else k * L + 2 * L * owners + 1
             for mode in MODES:
                 step, spent = statistics.median(times[mode]), statistics.median(checking[mode])
                 distributed.print0(f"| {ranks.world_size} | {'Z3' if zero3 else 'Z2'} | {mode} | {counts[mode][0]} "
-                                   f"({formula}) | {counts[mode][1]} | {counts[mode][2]} | {spent * 1e3:.2f} | "
-                                   f"{step * 1e3:.0f} | "
+                                   f"({formula}) | {counts[mode][1]} | {spent * 1e3:.2f} | {step * 1e3:.0f} | "
                                    f"{spent / step:.4f} |")
 
 
 def measure(nproc: int) -> list[str]:
-    """The rows ("| ranks | mode | order_check | events (formula) | round trips | agreements | check ms | step ms |
-    share |") of
+    """The rows ("| ranks | mode | order_check | events (formula) | round trips | check ms | step ms | share |") of
     one launch."""
     from dmuon_edu.launch import torchrun
 
@@ -139,7 +137,7 @@ def model_rows(rows: list[str]) -> list[str]:
     """Per-event cost of each mode measured here, and the store's queue per step for LARGE."""
     lines = []
     for row in rows:
-        _, world, zmode, mode, events, _, _, check_ms, _, _, _ = (cell.strip() for cell in row.split("|"))
+        _, world, zmode, mode, events, _, check_ms, _, _, _ = (cell.strip() for cell in row.split("|"))
         per_event_us = float(check_ms) * 1e3 / int(events.split()[0])
         lines.append(f"{zmode}, {world} ranks, {mode}: {per_event_us:.1f} us per event")
     n, L, o, k = LARGE["ranks"], LARGE["layers"], LARGE["owners"], LARGE["micro_batches"]
@@ -154,8 +152,8 @@ def model_rows(rows: list[str]) -> list[str]:
 def main():
     print(f"{machine()}; the course's small GPT, {MICRO_BATCHES} micro-batches per step; medians of {REPEATS}\n")
     print("| ranks | mode | order_check | events per step (formula) | store round trips per step | "
-          "gloo agreements per step | in the check (ms per step) | step (ms) | check / step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "in the check (ms per step) | step (ms) | check / step |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = [row for nproc in (2, 4) for row in measure(nproc)]
     print("\n".join(rows))
     print()

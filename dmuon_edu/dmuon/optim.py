@@ -140,8 +140,9 @@ class Muon(torch.optim.Optimizer):
             travel while this layer computes; 0 issues each at its own layer's forward.
         order_check: how the ranks check that they run dmuon's collectives in the same
             order (order.py): "per_step" (the default: strictly until the first step,
-            then a running hash compared at every step at no extra communication),
-            "strict" (a store round trip before every collective) or "off".
+            then a running hash compared at every step, and on gloo, which aborts
+            natively on a mismatched collective, a store round trip before each
+            collective), "strict" (a store round trip before every event) or "off".
 
     Raises:
         TypeError: ``model`` is not an nn.Module, ``param_groups`` or ``ns_backend`` has

@@ -25,22 +25,23 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
   every rank before any update if they differ. A rank whose collective times out (a
   divergence that made the ranks wait in different collectives) publishes its log
   through the store and compares it with the others': the error names the first event
-  where two ranks differ. A divergence whose collectives differ in size can end in a
-  native abort of the collective library before either check runs on NCCL; on gloo the
-  agreement below turns it into dmuon's message.
+  where two ranks differ. On NCCL, a divergence whose collectives differ in size ends
+  at NCCL's timeout; on gloo, which would abort natively, see below.
 - ``"off"``: nothing is checked or recorded.
 
-On gloo, in both checking modes, the ranks also *agree* before each of dmuon's
-collectives: one all-reduce (max) of four float64 numbers over the collective's group,
-the event's number and the hash of its description, each with its negation. gloo
-aborts the whole process, natively, when a collective's sizes differ between ranks (a
-rank evaluating on rank 0 only pairs its forward's broadcast with its peer's backward
-one); the agreement always has the same size, so a divergence meets a divergence there,
-and every rank of the group learns of it at once, before the collective runs, and raises
-with the first differing events (:meth:`CollectiveOrder.compare_logs`). Its cost is
-measured in ``make bench`` (docs/benchmarks.md). NCCL does not abort on such a mismatch
-(its watchdog times the collective out), and the agreement would cost a host sync per
-collective there, so it is gloo's only.
+On gloo, "per_step" also checks each event that runs a collective through the store, as
+"strict" does, after the first step too. gloo aborts the whole process, natively, when a
+collective's sizes differ between ranks (a rank evaluating on rank 0 only pairs its
+forward's broadcast with its peer's backward one). With the store's first-writer check a
+rank never issues a collective that differs from the one a peer already described for
+that number: the second rank to get there raises at once, before its collective, and
+leaves the message in the store; the first, waiting in its own collective, raises with
+that message when the second one's process ends (its connection closes) or at the
+collective timeout. One round trip per collective, no wait for the other ranks:
+``benchmarks/order_check.py`` measures it. (An all-reduce of the events' hashes before
+each collective, tried first, made the ranks wait for each other at every collective,
+at gloo's latency each: 7% of a Z3 step on 2 CPU ranks.) NCCL does not abort on such a
+mismatch (its watchdog times the collective out), so there "per_step" stays as above.
 
 With HSDP the replicate axis has an order of its own per shard index, and with tensor
 parallelism each TP group one (tp.py), in the same mode; their events follow from the
@@ -64,11 +65,10 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveOrder", "MODES", "SLOTS", "AGREEMENT_BYTES", "group_timeout"]
+__all__ = ["CollectiveOrder", "MODES", "SLOTS", "group_timeout"]
 
 SLOTS = 1024
 MODES = ("strict", "per_step", "off")
-AGREEMENT_BYTES = 32  # gloo's agreement before each collective: four float64 (the event's number, its hash, negated)
 LOG_WAIT_S = 15.0  # how long a rank that timed out waits for the others' logs (they time out too, about then)
 
 
@@ -99,7 +99,6 @@ class CollectiveOrder:
         self.crc = 0  # running CRC-32 of every description so far
         self.log: deque[tuple[int, str]] = deque(maxlen=SLOTS)  # the last SLOTS events, for a diagnosis
         self.round_trips = 0  # store round trips made by the checks (what "strict" costs)
-        self.agreements = 0  # gloo's all-reduces before dmuon's collectives (what the agreement costs)
 
     @property
     def strict(self) -> bool:
@@ -129,18 +128,16 @@ class CollectiveOrder:
             raise
 
     def check(self, description: str, group: dist.ProcessGroup | None) -> int:
-        """Record ``description`` as this rank's next event and return its number; in strict mode, raise
-        unless it is what the first rank to get here described as this event. ``group``: the process group of
-        the collective the event is about to run (None: an event without one); on gloo its ranks agree first."""
+        """Record ``description`` as this rank's next event and return its number; in strict mode, and on gloo
+        before a collective, raise unless it is what the first rank to get here described as this event.
+        ``group``: the process group of the collective the event is about to run (None: an event without one)."""
         n = self.issued
         self.issued += 1
         if self.mode == "off":
             return n
         self.crc = zlib.crc32(description.encode(), self.crc)
         self.log.append((n, description))
-        if group is not None and dist.get_backend(group) == "gloo":
-            self._agree(n, description, group)
-        if not self.strict:
+        if not (self.strict or group is not None and dist.get_backend(group) == "gloo"):
             return n
         slot = f"{self.key}/{n % SLOTS}"
         mine = f"{n}|{self.rank}|{description}"
@@ -155,20 +152,6 @@ class CollectiveOrder:
             self.store.compare_set(f"{self.key}/diverged", "", message)
             raise RuntimeError(message)
         return n
-
-    def _agree(self, n: int, description: str, group: dist.ProcessGroup) -> None:
-        """One all-reduce (max) of [n, -n, hash, -hash] over ``group``: equal on every rank exactly when they
-        are about to run the same event (up to CRC collisions); raise on every rank of the group if not."""
-        digest = zlib.crc32(description.encode())
-        numbers = torch.tensor([n, -n, digest, -digest], dtype=torch.float64)
-        with self.waiting(n, f"the agreement before {description}"):
-            dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-        self.agreements += 1
-        if numbers[0] != -numbers[1] or numbers[2] != -numbers[3]:
-            report = self.compare_logs() or (
-                f"dmuon: the ranks are about to run different collectives at event #{n} (this rank, {self.rank}: "
-                f"{description}), and their logs sent within {LOG_WAIT_S:.0f} s do not say where they parted")
-            raise RuntimeError(f"{report}. Found before the collective ran, on every rank")
 
     def digest(self) -> tuple[int, int]:
         """(events so far, their running CRC-32): equal on every rank exactly when the descriptions were (up to

@@ -53,7 +53,6 @@ from dmuon_edu.arguments import require_int
 from dmuon_edu.newton_schulz import ns_flops
 
 from .hardware import Hardware
-from .order import AGREEMENT_BYTES
 from .plan import layer_of, plan_owners
 
 __all__ = ["Workload", "Layout", "LAYOUTS", "MODELS", "StepTime", "Collective", "predict_step", "planned_collectives",
@@ -355,8 +354,7 @@ def predict_step(workload: Workload, layout: Layout, *, world_size: int, micro_b
     balance = ns_seconds / (sum(ns_by_rank) / len(ns_by_rank)) if sum(ns_by_rank) else 1.0
     optimizer = _optimizer_bytes(workload, layout, grid, plan) / (hardware.memory_bandwidth * share)
 
-    ranks = [_collectives(workload, layout, grid, micro_batches, r, plan, hardware.ranks_per_node,
-                          gloo=hardware.cores is not None)
+    ranks = [_collectives(workload, layout, grid, micro_batches, r, plan, hardware.ranks_per_node)
              for r in _representative_ranks(grid)]
     seconds = [{id(c): hardware.collective_seconds(c.collective, c.calls, c.bytes, c.group_size, c.nodes,
                                                    _host_work(c, hardware)) for c in cs} for cs in ranks]
@@ -487,7 +485,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def planned_collectives(workload: Workload, layout: Layout, *, world_size: int, micro_batches: int, rank: int = 0,
-                        ranks_per_node: int | None = None, gloo: bool = False) -> list[Collective]:
+                        ranks_per_node: int | None = None) -> list[Collective]:
     """Every collective one rank takes part in during one step of ``layout``, with its calls and counted bytes.
 
     They follow from what runs: FSDP2 gathers each unit (each layer, then the root: every
@@ -507,18 +505,16 @@ def planned_collectives(workload: Workload, layout: Layout, *, world_size: int, 
         rank: the global rank (ranks are numbered DP-major: rank = dp_index * tp + tp_index, and for HSDP
             dp_index = replica * shards + shard).
         ranks_per_node: ranks per node, for the nodes a group spans (None: one node).
-        gloo: the ranks run gloo, whose ranks agree before each of dmuon's collectives (one 32-byte all-reduce
-            over its group, waited at once: order.py).
     """
     grid = _Grid.of(layout, world_size)
     require_int("rank", rank, minimum=0, maximum=world_size - 1)
     require_int("micro_batches", micro_batches, minimum=1)
     plan = _owners(workload, layout, grid) if layout.optimizer == "dmuon" else None
-    return _collectives(workload, layout, grid, micro_batches, rank, plan, ranks_per_node, gloo)
+    return _collectives(workload, layout, grid, micro_batches, rank, plan, ranks_per_node)
 
 
 def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: int, owners_plan,
-                 ranks_per_node: int | None, gloo: bool) -> list[Collective]:
+                 ranks_per_node: int | None) -> list[Collective]:
     dp_index, tp_index = divmod(rank, grid.tp)
     replica, shard = divmod(dp_index, grid.shards)
     size = _itemsize(workload.dtype)
@@ -531,13 +527,9 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
 
     out: list[Collective] = []
 
-    def add(what, collective, calls, nbytes, group, when, stride=1, by_dmuon=False, **kw):
+    def add(what, collective, calls, nbytes, group, when, stride=1, **kw):
         if calls and group > 1:
             out.append(Collective(what, collective, calls, int(nbytes), group, when, nodes=nodes(group, stride), **kw))
-            if by_dmuon and gloo:  # the agreement before each, on the same group, waited at once
-                out.append(Collective("gloo agreements", "all_reduce", calls, calls * AGREEMENT_BYTES, group,
-                                      "step" if when in ("step", "after step") else "blocking",
-                                      prefetched=False, nodes=nodes(group, stride)))
 
     dedicated = workload.dedicated if layout.optimizer == "dmuon" else frozenset()
     sym = [n for n in workload.shapes if n not in dedicated]
@@ -568,8 +560,7 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
             buckets = _buckets(sizes, [REPLICATE_BUCKET_BYTES], closes_before=True)
         else:
             buckets = _buckets(sizes, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES], closes_before=False)
-        add("gradient reduces", "all_reduce", len(buckets), sum(buckets), grid.dp, "backward", grid.tp,
-            by_dmuon=layout.optimizer == "dmuon")
+        add("gradient reduces", "all_reduce", len(buckets), sum(buckets), grid.dp, "backward", grid.tp)
 
     if layout.optimizer == "dmuon":
         plan, tp_owner = owners_plan
@@ -585,26 +576,26 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
             passes = 2 * N if layout.reshard_after_forward else 1
             forward_calls = N if layout.reshard_after_forward else 1
             add("dmuon broadcasts", "broadcast", forward_calls * len(packs), forward_calls * P, group, "forward",
-                grid.tp, by_dmuon=True, prefetched=layout.prefetch)
+                grid.tp, prefetched=layout.prefetch)
             add("dmuon broadcasts", "broadcast", (passes - forward_calls) * len(packs), (passes - forward_calls) * P,
-                group, "backward", grid.tp, by_dmuon=True, prefetched=layout.prefetch)
-        add("gradient reduces", "reduce", len(buckets), P, group, "backward", grid.tp, by_dmuon=True)
+                group, "backward", grid.tp, prefetched=layout.prefetch)
+        add("gradient reduces", "reduce", len(buckets), P, group, "backward", grid.tp)
         if grid.replicas > 1:  # stage 2: this holder's buckets on to the owner's replica; after the step, the publish
             held = [n for n in plan if owner_shard[n] == shard]
             add("gradient reduces", "reduce", len({(_unit_of(n), plan[n]) for n in held}),
-                sum(local_bytes(n) for n in held), grid.replicas, "backward", grid.shards, by_dmuon=True)
+                sum(local_bytes(n) for n in held), grid.replicas, "backward", grid.shards)
             publishing = {plan[n] // grid.shards for n in held}
             add("post-step broadcast", "broadcast", len(publishing), sum(local_bytes(n) for n in held),
-                grid.replicas, "after step", grid.shards, by_dmuon=True)
-        add("step all-reduce", "all_reduce", 1, STEP_FLAG_BYTES, grid.world, "step", by_dmuon=True)
+                grid.replicas, "after step", grid.shards)
+        add("step all-reduce", "all_reduce", 1, STEP_FLAG_BYTES, grid.world, "step")
         if layout.sharding == "ddp":  # each owner's updated matrices to every rank, one pack per owner
             owners = {plan[n] for n in plan}
-            add("post-step broadcast", "broadcast", len(owners), P, grid.dp, "after step", grid.tp, by_dmuon=True)
+            add("post-step broadcast", "broadcast", len(owners), P, grid.dp, "after step", grid.tp)
         if grid.tp > 1:  # the gradient shards this rank owns (DP), to their TP owner, and the update back
             mine = [n for n in plan if plan[n] == dp_index and workload.local_shape(n, grid.tp) != workload.shapes[n]]
             nbytes = sum(local_bytes(n) * (grid.tp if tp_owner[n] == tp_index else 1) for n in mine)
-            add("TP gather + scatter", "gather", len(mine), nbytes, grid.tp, "step", by_dmuon=True)
-            add("TP gather + scatter", "scatter", len(mine), nbytes, grid.tp, "step", by_dmuon=True)
+            add("TP gather + scatter", "gather", len(mine), nbytes, grid.tp, "step")
+            add("TP gather + scatter", "scatter", len(mine), nbytes, grid.tp, "step")
     elif layout.optimizer == "muon" and grid.tp > 1:  # whole-matrix Muon: every rank gathers every split matrix
         split = [n for n in workload.dedicated if workload.local_shape(n, grid.tp) != workload.shapes[n]]
         whole = sum(math.prod(workload.shapes[n]) * size for n in split)

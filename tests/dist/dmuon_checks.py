@@ -1503,9 +1503,13 @@ def check_order_modes(mesh):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     order = model._dmuon.order
     for step in range(2):
+        first_event = order.issued
         mine, _, total = window(step, rank, world)
         train_window(model, opt, sched, mine, total, use_no_sync=True)
         trips[f"after_step_{step}"] = order.round_trips
+    # the events of step 1 that run a collective (the forwards' own events run none)
+    trips["collective_events_in_step_1"] = sum(1 for n, what in order.log
+                                               if n >= first_event and not what.startswith("the forward of"))
     mine, _, total = window(2, rank, world)
 
     def swapped_window():
@@ -1522,7 +1526,7 @@ def check_order_modes(mesh):
                  use_no_sync=True)
     state = model._dmuon
     # Each rank waits in a broadcast from the other: both receive, both time out. The event goes without gloo's
-    # agreement (no group given), which would have refused it before it ran: as on NCCL, only the timeout tells.
+    # store check (no group given), which would have refused it before it ran: as on NCCL, only the timeout tells.
     target = next(p for p in state.params.values() if not state.owns(p))
     buffer = torch.empty(target._dmuon_shape)
 
@@ -1550,10 +1554,11 @@ def check_evaluation_on_one_rank():
     collectives pair with that forward's: gloo aborted both processes natively on the first size mismatch (26 s
     in, no Python error). Per order_check mode, what each rank raises and how long after the evaluation."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
     outcome = {}
     for mode in ("per_step", "strict"):
-        model, opt = build(mesh, zero3=True, muon_kwargs={"order_check": mode})
+        # a group of its own with a 1 s timeout: the rank ahead waits in its collective until the other's refusal
+        # ends its process, or, as here where it goes on, until the timeout
+        model, opt = build(short_timeout_mesh(), zero3=True, muon_kwargs={"order_check": mode})
         started = None
         try:
             for step in range(3):
@@ -1759,14 +1764,11 @@ def check_ddp(mesh):
         for step in range(STEPS):
             mine, _, total = window(step, rank, world)
             counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
-            agreed = model._dmuon.order.agreements
             with counter:
                 train_window(model, opt, schedulers[0], mine, total, use_no_sync,
                              clip_counter=clip_counter if step == 1 else None)
             if step == 1:
                 comm = {name: counter.bytes.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
-                comm["agreements"] = model._dmuon.order.agreements - agreed
-                comm["calls"] = {name: counter.calls.get(name, 0) for name in ("reduce", "broadcast", "all_reduce")}
                 predicted = (time_model_counts(dmuon.LAYOUTS["dmuon DDP backend"], counter, clip_counter)
                              if use_no_sync else None)
             peer_counter = dmuon.count_comm() if step == 1 else contextlib.nullcontext()
@@ -1934,8 +1936,7 @@ def time_model_counts(layout, counter, clip_counter, tp=False):
                       counter.bytes[name] - clip_counter.bytes.get(name, 0)] for name in counter.calls}
     workload = dmuon.Workload.from_model(Net(), predicate, tokens=1, tensor_parallel=TP_STYLES if tp else {})
     planned = step_time.counted(dmuon.planned_collectives(workload, layout, world_size=dist.get_world_size(),
-                                                          micro_batches=K, rank=dist.get_rank(),
-                                                          gloo=dist.get_backend() == "gloo"))
+                                                          micro_batches=K, rank=dist.get_rank()))
     return {"counted": {k: v for k, v in counted.items() if v[0]}, "planned": planned}
 
 

@@ -60,12 +60,16 @@ from functools import partial
 from dmuon_edu.newton_schulz import newton_schulz
 plan = dmuon.summarize_comm_plan(model)["totals"]
 trips = [o.round_trips for o in model._dmuon.orders]  # the order check's store round trips (order.py), per axis
+first = [o.issued for o in model._dmuon.orders]
 with dmuon.count_comm() as counted:
     opt.zero_grad(); loss = model(torch.randn(4, 8, 16)); loss.backward(); opt.step()
+collective_events = [sum(1 for n, what in o.log if n >= f and not what.startswith("the forward of"))
+                     for o, f in zip(model._dmuon.orders, first)]
 print("plan " + json.dumps({"planned": {k: plan[k] for k in ("broadcast_tensor_bytes", "stage1_shard_reduce_tensor_bytes",
                                                               "tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank")},
                             "counted": {k: counted.bytes.get(k, 0) for k in ("broadcast", "reduce", "gather", "scatter")},
                             "round_trips_in_step_4": [o.round_trips - t for o, t in zip(model._dmuon.orders, trips)],
+                            "collective_events_in_step_4": collective_events,
                             "round_trips_in_steps_1_to_3": trips}), flush=True)
 class PolarExpressMuon(muon.Muon):  # the reference of ns_backend=POLAR_EXPRESS
     def _orthogonaliser(self, group):
