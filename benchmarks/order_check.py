@@ -24,7 +24,7 @@ one store, whose server answers them one at a time, so "strict" queues W E reque
 per step on W ranks, at one thread: at t_s per request, up to W E t_s of serialised store time
 per step, however fast each rank is. t_s is measured as one compare_set round trip to a
 TCPStore served by this process (an upper bound: it includes the client's side).
-"per_step" queues none after its first step.
+"per_step" queues none after its first step on NCCL, and on gloo one per collective event.
 """
 
 import contextlib
@@ -145,7 +145,7 @@ def model_rows(rows: list[str]) -> list[str]:
     lines.append(f"model, Z3, {n} ranks x {L} layers x {o} owners, {k} micro-batches: {events} events per rank per step; "
                  f"strict queues {n * events:.1e} round trips per step at one store, up to "
                  f"{n * events * t_s:.1f} s of store time at {t_s * 1e6:.0f} us each (one round trip measured here); "
-                 "per_step queues 0 after its first step")
+                 "per_step queues 0 after its first step on NCCL (on gloo, one per collective event)")
     return lines
 
 
