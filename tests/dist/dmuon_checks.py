@@ -1020,6 +1020,9 @@ SHORT_TIMEOUT_S = 1
 def short_timeout_mesh():
     """A mesh over a group of its own with a SHORT_TIMEOUT_S timeout, for a check where one rank waits for another
     that never comes: the group is broken afterwards, and the job goes on on the default group."""
+    # The ranks meet first: a check before may leave them up to its timeout apart, and creating the group waits
+    # for its ranks no longer than the group's own timeout.
+    distributed.barrier()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
     return DeviceMesh.from_group(group, "cpu")
 
@@ -1574,6 +1577,7 @@ def check_evaluation_on_one_rank():
             outcome[mode] = {"error": None}
         except RuntimeError as error:
             outcome[mode] = {"error": str(error), "seconds": time.perf_counter() - started}
+    distributed.barrier()
     report("evaluation_on_one_rank", **per_rank_outcomes(outcome))
 
 
