@@ -1577,7 +1577,6 @@ def check_evaluation_on_one_rank():
             outcome[mode] = {"error": None}
         except RuntimeError as error:
             outcome[mode] = {"error": str(error), "seconds": time.perf_counter() - started}
-    distributed.barrier()
     report("evaluation_on_one_rank", **per_rank_outcomes(outcome))
 
 
