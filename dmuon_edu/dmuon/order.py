@@ -119,7 +119,8 @@ class CollectiveOrder:
         except RuntimeError as error:
             diverged = self._divergence_report() if self.mode != "off" else None
             if diverged is None and self.mode != "off":
-                diverged = self.compare_logs()
+                # a rank behind may refuse its event while this one compares logs: its report comes first
+                diverged = self.compare_logs() or self._divergence_report()
             if diverged is not None:
                 raise RuntimeError(
                     f"{diverged} (this rank, {self.rank}, was waiting in its event #{event}, "
@@ -150,6 +151,8 @@ class CollectiveOrder:
         if first != description:
             message = _message(n, self.rank, description, first_rank, first)
             self.store.compare_set(f"{self.key}/diverged", "", message)
+            # for a rank already waiting in its collective that times out before reading the message above
+            self.store.set(f"{self.key}/log/{self.rank}", json.dumps(list(self.log)))
             raise RuntimeError(message)
         return n
 
