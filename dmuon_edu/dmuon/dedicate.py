@@ -68,8 +68,7 @@ from dmuon_edu.distributed import release_gloo_workers_at_exit
 from . import fsdp_exclusion, placeholder, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
-from . import order as order_module
-from .order import CollectiveOrder
+from .order import CollectiveOrder, group_timeout
 from .plan import plan_owners
 from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
 
@@ -835,7 +834,7 @@ def _meet_every_rank(entry: str, group: dist.ProcessGroup) -> None:
     prefix = f"dmuon/entered/{group.group_name}/{_ENTRIES[group.group_name]}"
     ranks = dist.get_process_group_ranks(group)
     store.set(f"{prefix}/{dist.get_rank()}", entry)
-    timeout = order_module.group_timeout(group)
+    timeout = group_timeout(group)
     try:
         store.wait([f"{prefix}/{rank}" for rank in ranks], timeout)
     except RuntimeError:  # DistStoreError: not every key in time

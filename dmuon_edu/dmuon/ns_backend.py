@@ -136,11 +136,8 @@ def gram_newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
 
 def get_ns_backend() -> str:
     """A line for a start-up log, in the public project's form: what runs Newton-Schulz here."""
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        where = f"SM{major}{minor}"
-    else:
-        where = "CPU"
+    sm_version = get_backend_status()["sm_version"]
+    where = f"SM{sm_version}" if sm_version else "CPU"
     return f"Gram NS · kernel=cublas ({where}, torch.matmul; the public project's SYRK kernels are absent)"
 
 

@@ -362,9 +362,8 @@ class Muon(torch.optim.Optimizer):
         extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
         agreed[0] = (~torch.cat(extremes).isfinite()).any() if extremes else False
         before, now = state.symmetric_sample, state.sample_symmetric_gradients()
-        # NaN != NaN: a sample of non-finite gradients is "unchanged" where both hold NaN
         agreed[1] = (before is not None and now is not None and before.shape == now.shape
-                     and ((before != now) & ~(before.isnan() & now.isnan())).any())
+                     and (before != now).any())
         state.symmetric_sample = None  # the next backward takes its own
         everyone = state.everyone
         if dist.get_world_size(everyone) > 1:

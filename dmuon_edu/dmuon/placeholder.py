@@ -99,16 +99,13 @@ class DedicatedParameter(nn.Parameter):
             if name == "__repr__":
                 return absent[0]._describe()
             if name not in _PASS_THROUGH:
-                raise RuntimeError(absent[0]._refusal(name))
+                raise RuntimeError(_refusal(absent[0], name))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def _describe(self) -> str:
         return (f"DedicatedParameter({self._dmuon_name}: shape {tuple(self._dmuon_shape)}, {self.dtype}, owned by "
                 f"rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy between uses)")
-
-    def _refusal(self, operation: str) -> str:
-        return _refusal(self, operation)
 
 
 def _refusal(p: torch.Tensor, operation: str) -> str:
