@@ -6,13 +6,15 @@ A full training step (4 micro-batches, the first 3 under no_sync, then the optim
 step) of the course's small GPT (d 256, 4 layers, vocab 256, 8 x 64 tokens per
 micro-batch per rank), dmuon Z3 and Z2, with ``order_check`` "strict" (a store round
 trip before every event), "per_step" (the default, after its first step: a running
-CRC, compared inside the step's all-reduce) and "off", interleaved in rotated order.
-On gloo "per_step" also checks every event that runs a collective through the store
-(order.py: gloo aborts natively on a mismatch). Per mode, one step's events and store
-round trips (CollectiveOrder.issued and .round_trips), the time spent inside the check
-(CollectiveOrder.check, timed on every rank, the slowest rank's) and the step's time,
-medians. The time inside the check is the cost: on a
-shared machine the step times move by more than it.
+CRC, compared inside the step's all-reduce) and "off", interleaved, "per_step" always
+after "strict" (it compares each step with the last one recorded). On gloo "per_step"
+also compares each event with the last step's at the same place and tells the store
+how far it got, in a one-way write (order.py: gloo aborts natively on a mismatch);
+these steps repeat, so it waits for no other rank. Per mode, one step's events and
+store round trips (CollectiveOrder.issued and .round_trips), the time spent inside the
+check (CollectiveOrder.check_all, timed on every rank, the slowest rank's) and the
+step's time, medians. The time inside the check is the cost: on a shared machine the
+step times move by more than it.
 
 Events per step, for L layers with O owners each and N micro-batches with no_sync:
 N (L + 2 L O) + L O + 1 in Z3 (each forward: a check per layer and a broadcast per
@@ -21,10 +23,10 @@ all-reduce), N L + 2 L O + 1 in Z2; the rows print the formula beside the count.
 
 The model for more ranks: every rank makes one blocking round trip per event to the
 one store, whose server answers them one at a time, so "strict" queues W E requests
-per step on W ranks, at one thread: at t_s per request, up to W E t_s of serialised store time
-per step, however fast each rank is. t_s is measured as one compare_set round trip to a
+per step on W ranks, at one thread: at t_s per request, up to W E t_s of serialised
+store time per step, however fast each rank is. t_s is measured as one compare_set round trip to a
 TCPStore served by this process (an upper bound: it includes the client's side).
-"per_step" queues none after its first step on NCCL, and on gloo one per collective event.
+"per_step" queues no round trip after its first step (on gloo, a one-way write per event).
 """
 
 import contextlib
@@ -72,20 +74,21 @@ def worker():
             opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
             order = model._dmuon.order
             in_check = [0.0]
-            check = order.check
+            check_all = order.check_all  # check() calls it
 
-            def timed_check(description, group):
+            def timed_check(descriptions):
                 start = time.perf_counter()
                 try:
-                    return check(description, group)
+                    return check_all(descriptions)
                 finally:
                     in_check[0] += time.perf_counter() - start
 
-            order.check = timed_check
+            order.check_all = timed_check
             train_step(model, opt)  # warm-up: the first step, strict in every mode but "off"
             times, checking, counts = {m: [] for m in MODES}, {m: [] for m in MODES}, {}
             for r in range(REPEATS):
-                for mode in MODES[r % 3:] + MODES[:r % 3]:
+                # per_step compares a step with the last one: it always follows a recorded (strict) step
+                for mode in ("strict", "per_step", "off") if r % 2 == 0 else ("off", "strict", "per_step"):
                     order.mode = mode
                     events, trips, in_check[0] = order.issued, order.round_trips, 0.0
                     dist.barrier()
@@ -145,7 +148,7 @@ def model_rows(rows: list[str]) -> list[str]:
     lines.append(f"model, Z3, {n} ranks x {L} layers x {o} owners, {k} micro-batches: {events} events per rank per step; "
                  f"strict queues {n * events:.1e} round trips per step at one store, up to "
                  f"{n * events * t_s:.1f} s of store time at {t_s * 1e6:.0f} us each (one round trip measured here); "
-                 "per_step queues 0 after its first step on NCCL (on gloo, one per collective event)")
+                 "per_step queues 0 after its first step (on gloo, a one-way write per event)")
     return lines
 
 

@@ -843,21 +843,71 @@ def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, m
     # Two ranks' checkers in one process, on one store key, as two ranks would be.
     from dmuon_edu.dmuon import order
     monkeypatch.setattr(order, "SLOTS", 3)
-    first, second = (order.CollectiveOrder("test/order", rank, [0, 1]) for rank in (0, 1))
+    first, second = (order.CollectiveOrder("test/order", rank, [0, 1], torch.distributed.group.WORLD) for rank in (0, 1))
     for n in range(7):  # more collectives than slots: stale slots are taken over, never mistaken
         for checker in (first, second):
-            with checker.collective(f"the broadcast of layers.{n}", None):
+            with checker.collective(f"the broadcast of layers.{n}"):
                 pass
-    with first.collective("the broadcast of layers.7", None):
+    with first.collective("the broadcast of layers.7"):
         pass
     with pytest.raises(RuntimeError, match=r"event #7: rank 1 is about to run the broadcast of layers.8, "
                                            r"but rank 0 ran the broadcast of layers.7"):
-        with second.collective("the broadcast of layers.8", None):
+        with second.collective("the broadcast of layers.8"):
             pass
     # The rank that went first waits in its collective #8 until the timeout, then reports the divergence.
     with pytest.raises(RuntimeError, match=r"rank 1 is about to run .* \(this rank, 0, was waiting in its event #8"):
-        with first.collective("the broadcast of layers.8", None):
+        with first.collective("the broadcast of layers.8"):
             raise RuntimeError("Timed out waiting 3000ms")
+
+
+def _verified_pair(key, step):
+    """Two ranks' checkers in one process, as two ranks would be, after a first step of ``step`` (checked strictly,
+    then verified)."""
+    import datetime
+
+    from dmuon_edu.dmuon import order
+    pair = [order.CollectiveOrder(key, rank, [0, 1], torch.distributed.group.WORLD) for rank in (0, 1)]
+    for checker in pair:
+        checker.timeout = datetime.timedelta(seconds=0.5)
+        checker.check_all(step)
+    for checker in pair:
+        checker.step_checked()
+    return pair
+
+
+STEP = ["the forward of layers.0", "the broadcast of layers.0", "the reduce of layers.0"]
+
+
+def test_per_step_on_gloo_meets_no_rank_in_a_step_like_the_last(one_rank):
+    first, second = _verified_pair("test/repeat", STEP)
+    trips = [c.round_trips for c in (first, second)]
+    for description in STEP:
+        for checker in (first, second):
+            checker.check(description)
+    assert [c.round_trips for c in (first, second)] == trips
+
+
+def test_per_step_on_gloo_lets_ranks_that_all_take_the_same_turn_go_on(one_rank):
+    first, second = _verified_pair("test/turn", STEP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # both wait in the store for the other: two threads
+        waiting = pool.submit(first.check, "the forward of layers.0 for an evaluation")
+        assert second.check("the forward of layers.0 for an evaluation") == 3
+        assert waiting.result(timeout=5) == 3
+
+
+def test_per_step_on_gloo_names_a_rank_that_ran_the_last_steps_event_where_this_one_turns(one_rank):
+    first, second = _verified_pair("test/diverge", STEP)
+    first.check("the forward of layers.0")  # as last step: rank 0 reports it is past event 3 and goes on
+    with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "
+                                           r"evaluation, but rank 0 ran the forward of layers.0\. .*evaluate on every"):
+        second.check("the forward of layers.0 for an evaluation")
+
+
+def test_per_step_on_gloo_names_a_rank_that_never_gets_there_at_the_timeout(one_rank):
+    _, second = _verified_pair("test/silent", STEP)
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] did not reach this rank's event #3, the forward of "
+                                           r"layers.0 for an evaluation, within the collective timeout"):
+        second.check("the forward of layers.0 for an evaluation")
 
 
 def test_autocast_runs_through_dmuon(checks):
@@ -1085,13 +1135,20 @@ def test_torch_clip_of_the_model_parameters_is_partial_and_step_warns_on_every_r
 
 def test_the_order_check_per_step_costs_no_round_trip_after_the_first_step_and_still_names_divergences(checks):
     c = real_use(checks, "order_modes")
-    # the first step checks every event through the store; after it, on gloo, only those that run a collective
-    # (gloo would abort natively on a mismatched one); "off" makes none
+    # the first step checks every event through the store; a step like the last makes no round trip (on gloo a
+    # one-way write per event); a step every rank changes alike (an evaluation first) meets in the store, and so
+    # does the next (it differs from that one); then none again. "off" makes none.
     trips = c["round_trips"]  # rank 0's
-    assert trips["after_step_0"] > 0 and trips["collective_events_in_step_1"] > 0, c
-    assert trips["after_step_1"] - trips["after_step_0"] == trips["collective_events_in_step_1"], c
+    assert trips["step_0"] > 0 and trips["step_1"] == 0, c
+    assert trips["step_2"] > 0 and trips["step_3"] > 0 and trips["step_4"] == 0, c
     assert trips["off"] == 0, c
-    # swapped layers, resident in Z2: no collective noticed; step() refuses on every rank, naming both
+    # swapped layers, resident in Z2: on gloo the rank that swapped meets a peer already past that forward and
+    # names both forwards at once; the peer raises at its next wait's timeout, in one of dmuon's collectives with
+    # that message or in one of fully_shard's with FSDP2's
+    assert all(message is not None for message in c["forward"]), c
+    assert any(message and "the ranks diverged at their event #" in message and "the forward of layers.1" in message
+               and "the forward of layers.2" in message for message in c["forward"]), c
+    # ... and as on NCCL, step() refuses on every rank, naming both
     for message in c["step"]:
         assert message and "refused the step on every rank" in message, c
         assert "the forward of layers.1" in message and "the forward of layers.2" in message, c
@@ -1276,11 +1333,11 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
         assert counted["reduce"] == planned["stage1_shard_reduce_tensor_bytes"], plan
         assert counted["gather"] == planned["tp_gather_tensor_bytes_this_rank"] > 0, plan
         assert counted["scatter"] == planned["tp_scatter_tensor_bytes_this_rank"] > 0, plan
-        # the order check (per_step): the mesh's events went through the store until the first step checked them;
-        # after it, on gloo, each axis's events that run a collective do (gloo aborts natively on a mismatched
-        # one), and no other event
-        assert plan["round_trips_in_steps_1_to_3"][0] > 0, plan
-        assert plan["round_trips_in_step_4"] == plan["collective_events_in_step_4"], plan
+        # the order check (per_step): every axis's events went through the store until the first step checked
+        # them, and the second step (its state dict's collectives came first) met there; the fourth is like the
+        # third, so no axis makes a round trip, though each ran collectives
+        assert all(n > 0 for n in plan["round_trips_in_steps_1_to_3"]), plan
+        assert plan["round_trips_in_step_4"] == [0] * len(plan["round_trips_in_steps_1_to_3"]), plan
         assert all(n > 0 for n in plan["collective_events_in_step_4"]), plan
     # param_groups, the Polar Express ns_backend, a hook boundary predicate and clip_grad_norm_ (the optimizer's
     # form measuring the Muon gradients, the model's clipping every one to 1) on TP against one process with the

@@ -191,12 +191,10 @@ def _global_norm(state: DMuonState, grads: list[torch.Tensor], norm_type: float,
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     if math.isinf(norm_type):
-        with state.order.collective("clip_grad_norm_'s all-reduce (max) of the largest gradient entry",
-                                    state.everyone):
+        with state.order.collective("clip_grad_norm_'s all-reduce (max) of the largest gradient entry"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=state.everyone)
         return local
     powered = local.pow(norm_type)
-    with state.order.collective(f"clip_grad_norm_'s all-reduce of gradient norms to the power {norm_type}",
-                                state.everyone):
+    with state.order.collective(f"clip_grad_norm_'s all-reduce of gradient norms to the power {norm_type}"):
         dist.all_reduce(powered, group=state.everyone)
     return powered.pow(1.0 / norm_type)

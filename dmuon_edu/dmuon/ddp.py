@@ -163,7 +163,7 @@ class DDPState(DMuonState):
         flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
                           for p in params])
         description = f"the all-reduce of replicated gradients, bucket {index} ({flat.numel()} values of {flat.dtype})"
-        event = self.order.check(description, self.group)
+        event = self.order.check(description)
         work = dist.all_reduce(flat, group=self.group, op=dist.ReduceOp.AVG, async_op=True)
         group.reducing.append(InFlight(event, description, -1, params, flat, work))
 

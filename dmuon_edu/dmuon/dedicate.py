@@ -221,15 +221,18 @@ class DMuonState:
         if unit.resident:
             return
         self.wait_published()
+        flats, descriptions = [], []
         for owner, params in unit.packs:
             dtype = self.compute_dtype(unit, params[0])
             if owner == self.rank:
                 flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
             else:
                 flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
-            description = (f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
-                           f"({flat.numel()} values of {dtype})")
-            event = self.order.check(description, self.group)
+            flats.append(flat)
+            descriptions.append(f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
+                                f"({flat.numel()} values of {dtype})")
+        events = self.order.check_all(descriptions)
+        for (owner, params), flat, event, description in zip(unit.packs, flats, events, descriptions):
             work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
             unit.in_flight.append(InFlight(event, description, owner, params, flat, work))
         unit.resident = True
@@ -350,7 +353,7 @@ class DMuonState:
         bucket.ready.clear()
         description = (f"the reduce of {bucket.unit.path or 'the model'}'s gradients to rank {bucket.owner} "
                        f"({len(params)} matrices, {flat.numel()} values of {wire_dtype})")
-        event = self.order.check(description, self.group)
+        event = self.order.check(description)
         work = dist.reduce(flat, group=self.group, group_dst=bucket.owner, op=dist.ReduceOp.AVG, async_op=True)
         self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work, bucket.replica))
 
@@ -364,7 +367,7 @@ class DMuonState:
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
-        across = []  # HSDP: each holder's replica average, on to the replica that steps the matrices
+        held = []  # HSDP: the reduces this rank holds, whose replica averages go on to the replica that steps them
         for sent in self.reducing:
             with self.order.waiting(sent.event, sent.description):
                 sent.work.wait()
@@ -372,13 +375,17 @@ class DMuonState:
                 continue
             if self.replicas == 1:
                 self._add_reduced(sent)
-                continue
-            description = (f"the reduce of {len(sent.params)} matrices' replica gradients to replica "
-                           f"{sent.replica} ({sent.flat.numel()} values)")
-            event = self.replicate_order.check(description, self.replicate_group)
-            work = dist.reduce(sent.flat, group=self.replicate_group, group_dst=sent.replica, op=dist.ReduceOp.AVG,
-                               async_op=True)
-            across.append(InFlight(event, description, sent.replica, sent.params, sent.flat, work, sent.replica))
+            else:
+                held.append(sent)
+        across = []
+        if held:  # checked as one batch: they are issued together
+            descriptions = [f"the reduce of {len(sent.params)} matrices' replica gradients to replica {sent.replica} "
+                            f"({sent.flat.numel()} values)" for sent in held]
+            events = self.replicate_order.check_all(descriptions)
+            for sent, event, description in zip(held, events, descriptions):
+                work = dist.reduce(sent.flat, group=self.replicate_group, group_dst=sent.replica,
+                                   op=dist.ReduceOp.AVG, async_op=True)
+                across.append(InFlight(event, description, sent.replica, sent.params, sent.flat, work, sent.replica))
         for sent in across:
             with self.replicate_order.waiting(sent.event, sent.description):
                 sent.work.wait()
@@ -440,16 +447,17 @@ def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me
     in ``group``; ``what`` names it for the order check ("{n}" matrices, "{source}"). Until ``land()`` (which
     calls :func:`finish_packed_broadcasts`) a receiver's matrices hold the previous values, so their first
     read calls it (placeholder.publishing)."""
-    started = []
+    packed = []
     for (source, _), params in sorted(packs.items()):
         if source == me:
             flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
         else:
             flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype, device=device)
-        description = f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"
-        event = order.check(description, group)
-        work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
-        started.append(InFlight(event, description, source, params, flat, work))
+        packed.append((source, params, flat, f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"))
+    events = order.check_all([description for *_, description in packed])
+    started = [InFlight(event, description, source, params, flat,
+                        dist.broadcast(flat, group=group, group_src=source, async_op=True))
+               for (source, params, flat, description), event in zip(packed, events)]
     # Marked once every broadcast has started, so that each marked matrix is one that land() brings
     for sent in started:
         if sent.owner != me:
@@ -724,15 +732,16 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
         owners = {name: rank_at[(tp_owner.get(name, column), g)] for name, g in plan.items()}
     # Every replica runs the same events on its shard axis: one key for all ranks. The replicate axis has a key
     # per shard index, shared by that column's ranks.
-    order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()))
+    order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()), mesh.get_group())
     replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank(),
-                                       dist.get_process_group_ranks(replicate_mesh.get_group()))
+                                       dist.get_process_group_ranks(replicate_mesh.get_group()),
+                                       replicate_mesh.get_group())
                        if replicate_mesh is not None else None)
     state = state_type(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
     if tp_mesh is not None:  # across the TP group of each DP index: its gathers and scatters
         state.everyone = dist.group.WORLD
         tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
-                                   dist.get_process_group_ranks(tp_mesh.get_group()))
+                                   dist.get_process_group_ranks(tp_mesh.get_group()), tp_mesh.get_group())
         state.tp_index = tp_mesh.get_local_rank()
         state.tp_name = tp_mesh.mesh_dim_names[0]
         state.tp_order = tp_order
@@ -904,7 +913,7 @@ def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
     if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
         state.microbatch += 1
     state.order.check(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
-                      f"{'inside' if state.in_no_sync else 'outside'} no_sync", None)  # no collective of its own
+                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")  # no collective of its own
     state.issue_broadcasts(unit)
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
         state.prefetch(unit, +1)

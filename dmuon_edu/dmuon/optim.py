@@ -141,8 +141,9 @@ class Muon(torch.optim.Optimizer):
         order_check: how the ranks check that they run dmuon's collectives in the same
             order (order.py): "per_step" (the default: strictly until the first step,
             then a running hash compared at every step, and on gloo, which aborts
-            natively on a mismatched collective, a store round trip before each
-            collective), "strict" (a store round trip before every event) or "off".
+            natively on a mismatched collective, each event compared with the last
+            step's, the ranks meeting in the store where it differs), "strict" (a
+            store round trip before every event) or "off".
 
     Raises:
         TypeError: ``model`` is not an nn.Module, ``param_groups`` or ``ns_backend`` has
@@ -367,7 +368,7 @@ class Muon(torch.optim.Optimizer):
         state.symmetric_sample = None  # the next backward takes its own
         everyone = state.everyone
         if dist.get_world_size(everyone) > 1:
-            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag", everyone)
+            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag")
             events, crc = state.order.digest()
             agreed[2:] = torch.tensor([events, -events, crc, -crc], dtype=torch.float64)
             with state.order.waiting(event, "the optimizer step's all-reduce of its finite-gradients flag"):

@@ -13,8 +13,10 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
   description with the first one any rank left for that event's number. The first rank
   that differs raises before the collective runs, naming both events and both ranks, and
   leaves its message in the store, where a rank already waiting in that collective reads
-  it when its wait times out. Cost: one blocking round trip to the one store per event,
-  about 35 us between two processes on a 2-core CPU; events per step grow with layers x
+  it when its wait times out. Collectives issued together (a layer's broadcasts from
+  its owners, the TP gathers of a step) are checked as one batch, in one round trip.
+  Cost: one blocking round trip to the one store per event or batch, about 35 us
+  between two processes on a 2-core CPU; events per step grow with layers x
   micro-batches, and every rank of the job queues at the same store
   (benchmarks/order_check.py measures it and models it for more ranks).
 - ``"per_step"`` (the default): strict until the first ``step()`` has checked, which
@@ -29,18 +31,25 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
   at NCCL's timeout; on gloo, which would abort natively, see below.
 - ``"off"``: nothing is checked or recorded.
 
-On gloo, "per_step" also checks each event that runs a collective through the store, as
-"strict" does, after the first step too. gloo aborts the whole process, natively, when a
-collective's sizes differ between ranks (a rank evaluating on rank 0 only pairs its
-forward's broadcast with its peer's backward one). With the store's first-writer check a
-rank never issues a collective that differs from the one a peer already described for
-that number: the second rank to get there raises at once, before its collective, and
-leaves the message in the store; the first, waiting in its own collective, raises with
-that message when the second one's process ends (its connection closes) or at the
-collective timeout. One round trip per collective, no wait for the other ranks:
-``benchmarks/order_check.py`` measures it. (An all-reduce of the events' hashes before
-each collective, tried first, made the ranks wait for each other at every collective,
-at gloo's latency each: 7% of a Z3 step on 2 CPU ranks.) NCCL does not abort on such a
+On gloo, "per_step" also makes sure, before every event after the first step, that no
+rank issues a collective another rank does not: gloo aborts the whole process, natively,
+when a collective's sizes differ between ranks (a rank evaluating on rank 0 only pairs
+its forward's broadcast with its peer's backward one). Steps repeat: the ranks agreed
+on the last step's events, so a rank whose next event (or batch) is the one at the same
+place in the last step's list issues it at once, and only tells the store how far it got
+(a one-way write: no reply awaited). A rank whose next event differs from the list
+(an evaluation, an uneven last window, a new branch) *meets*: it leaves its description
+in the store under that place, and waits until every rank has left one there (they all
+took the same turn: it goes on) or one has reported a later place without leaving one
+(that rank ran the listed event instead: it raises at once, naming both, and leaves the
+message for the other, which reads it when its collective fails as this process ends,
+or at the timeout). A rank that never reports (it stopped calling dmuon) is named at
+the collective timeout. So the steady state costs one write per event and no wait; a
+step that differs from the last one, and the step after it, wait once per event for
+the slowest rank. ``benchmarks/order_check.py`` measures it. (Tried first, and dropped
+for their cost: an all-reduce of the events' hashes before each collective, 7% of a Z3
+step on 2 CPU ranks; a first-writer ``compare_set`` per collective, as "strict" does,
+up to 2.9% of an HSDP Z3 step on 4 ranks over 2 cores.) NCCL does not abort on such a
 mismatch (its watchdog times the collective out), so there "per_step" stays as above.
 
 With HSDP the replicate axis has an order of its own per shard index, and with tensor
@@ -57,7 +66,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
+import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -87,28 +98,35 @@ class CollectiveOrder:
             dedicate_params call.
         rank: this rank's global rank.
         ranks: the global ranks that share ``key``.
+        group: the process group whose backend the events' collectives run on and whose
+            timeout a wait in the store takes.
     """
 
-    def __init__(self, key: str, rank: int, ranks: Sequence[int]):
+    def __init__(self, key: str, rank: int, ranks: Sequence[int], group: dist.ProcessGroup):
         self.store = dist.distributed_c10d._get_default_store()
         self.key, self.rank, self.ranks = key, rank, list(ranks)
+        self.gloo = dist.get_backend(group) == "gloo"
+        self.timeout = group_timeout(group)
         self.mode = "per_step"
         self.strict_steps = 1  # per_step: steps checked strictly before the running CRC takes over
         self.steps = 0  # steps whose order was verified
         self.issued = 0  # events so far
+        self.checked = 0  # batches of events checked through the store so far (strict)
         self.crc = 0  # running CRC-32 of every description so far
         self.log: deque[tuple[int, str]] = deque(maxlen=SLOTS)  # the last SLOTS events, for a diagnosis
-        self.round_trips = 0  # store round trips made by the checks (what "strict" costs)
+        self.round_trips = 0  # store round trips made by the checks
+        self.expected: list[str] = []  # per_step on gloo: the events of the last verified step, in order
+        self.this_step: list[str] = []  # ... and those of this step so far
+        self.meetings: list[str] = []  # this step's store keys this rank wrote in meetings (deleted once verified)
 
     @property
     def strict(self) -> bool:
         return self.mode == "strict" or (self.mode == "per_step" and self.steps < self.strict_steps)
 
     @contextlib.contextmanager
-    def collective(self, description: str, group: dist.ProcessGroup | None) -> Iterator[None]:
-        """Bracket one synchronous collective over ``group`` (None: the default group): check it is every rank's
-        next one, explain its failure."""
-        with self.waiting(self.check(description, group or dist.group.WORLD), description):
+    def collective(self, description: str) -> Iterator[None]:
+        """Bracket one synchronous collective: check it is every rank's next one, explain its failure."""
+        with self.waiting(self.check(description), description):
             yield
 
     @contextlib.contextmanager
@@ -128,33 +146,96 @@ class CollectiveOrder:
                 ) from error
             raise
 
-    def check(self, description: str, group: dist.ProcessGroup | None) -> int:
-        """Record ``description`` as this rank's next event and return its number; in strict mode, and on gloo
-        before a collective, raise unless it is what the first rank to get here described as this event.
-        ``group``: the process group of the collective the event is about to run (None: an event without one)."""
-        n = self.issued
-        self.issued += 1
-        if self.mode == "off":
-            return n
-        self.crc = zlib.crc32(description.encode(), self.crc)
-        self.log.append((n, description))
-        if not (self.strict or group is not None and dist.get_backend(group) == "gloo"):
-            return n
-        slot = f"{self.key}/{n % SLOTS}"
-        mine = f"{n}|{self.rank}|{description}"
+    def check(self, description: str) -> int:
+        """Record ``description`` as this rank's next event and return its number; raise if it is not every
+        rank's, as the mode can tell before the event's collective runs (module docstring)."""
+        return self.check_all([description])[0]
+
+    def check_all(self, descriptions: Sequence[str]) -> list[int]:
+        """:meth:`check` for events issued together, as one batch; returns their event numbers."""
+        first = self.issued
+        events = list(range(first, first + len(descriptions)))
+        self.issued += len(descriptions)
+        if self.mode == "off" or not descriptions:
+            return events
+        for n, description in zip(events, descriptions):
+            self.crc = zlib.crc32(description.encode(), self.crc)
+            self.log.append((n, description))
+        index = len(self.this_step)  # the batch's place in this step: the same on every rank that agrees
+        self.this_step += descriptions
+        if self.strict:
+            self._first_writer(first, descriptions)
+        elif self.gloo:
+            if list(descriptions) == self.expected[index : index + len(descriptions)]:
+                # as every rank did last step: only say how far this rank got (no reply awaited)
+                self.store.set(f"{self.key}/at/{self.rank}", f"{self.steps} {index + len(descriptions)}")
+            else:
+                self._meet(index, first, descriptions)
+        return events
+
+    def _first_writer(self, first: int, descriptions: Sequence[str]) -> None:
+        """Strict: compare the batch with the first one any rank left in its slot, in one round trip."""
+        batch = self.checked
+        self.checked += 1
+        slot = f"{self.key}/{batch % SLOTS}"
+        mine = f"{batch}|{self.rank}|{json.dumps(list(descriptions))}"
         current = self.store.compare_set(slot, "", mine).decode()
         self.round_trips += 1
-        if not current.startswith(f"{n}|"):  # the slot still holds collective n - SLOTS: replace it
+        if not current.startswith(f"{batch}|"):  # the slot still holds batch - SLOTS: replace it
             current = self.store.compare_set(slot, current, mine).decode()
             self.round_trips += 1
-        _, first_rank, first = current.split("|", 2)
-        if first != description:
-            message = _message(n, self.rank, description, first_rank, first)
-            self.store.compare_set(f"{self.key}/diverged", "", message)
-            # for a rank already waiting in its collective that times out before reading the message above
-            self.store.set(f"{self.key}/log/{self.rank}", json.dumps(list(self.log)))
-            raise RuntimeError(message)
-        return n
+        _, first_rank, theirs = current.split("|", 2)
+        self._compare(first, descriptions, json.loads(theirs), first_rank)
+
+    def _meet(self, index: int, first: int, descriptions: Sequence[str]) -> None:
+        """per_step on gloo, a batch unlike last step's at ``index``: wait until every rank has left the same batch
+        there. A rank that reported a later place without leaving one ran last step's events there instead."""
+        place = f"{self.key}/met/{self.steps}/{index}"
+        self.store.set(f"{place}/{self.rank}", json.dumps(list(descriptions)))
+        self.meetings.append(f"{place}/{self.rank}")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        waiting, pause = [r for r in self.ranks if r != self.rank], 1e-4
+        while waiting:
+            for rank in list(waiting):
+                # how far it got, read before its key here: a rank writes that one first
+                report = self._get(f"{self.key}/at/{rank}")
+                theirs = self._get(f"{place}/{rank}")
+                if theirs is not None:
+                    self._compare(first, descriptions, json.loads(theirs), rank)
+                    waiting.remove(rank)
+                elif report is not None and _passed(report, self.steps, index):
+                    self._compare(first, descriptions, self.expected[index : index + len(descriptions)], rank)
+            if waiting and time.monotonic() > deadline:
+                self._refuse(f"dmuon: ranks {waiting} did not reach this rank's event #{first}, {descriptions[0]}, "
+                             f"within the collective timeout ({self.timeout}): their last report puts them before "
+                             "it. A rank that stopped calling dmuon's collectives (an exception, an evaluation or "
+                             "an early exit on some ranks only) leaves the others waiting")
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)
+        self.store.set(f"{self.key}/at/{self.rank}", f"{self.steps} {index + len(descriptions)}")
+
+    def _get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None if there is none yet (the store's get would wait for it)."""
+        self.round_trips += 1
+        if not self.store.check([key]):
+            return None
+        self.round_trips += 1
+        return self.store.get(key)
+
+    def _compare(self, first: int, mine: Sequence[str], theirs: Sequence[str], their_rank) -> None:
+        """Raise, naming the first event where ``mine`` and ``theirs`` differ, unless they are the same."""
+        if list(mine) == list(theirs):
+            return
+        i = next(i for i, pair in enumerate(itertools.zip_longest(mine, theirs)) if pair[0] != pair[1])
+        ended = "no further collective in this batch"
+        self._refuse(_message(first + i, self.rank, mine[i] if i < len(mine) else ended,
+                              their_rank, theirs[i] if i < len(theirs) else ended))
+
+    def _refuse(self, message: str) -> None:
+        self.store.compare_set(f"{self.key}/diverged", "", message)
+        # for a rank already waiting in its collective that times out before reading the message above
+        self.store.set(f"{self.key}/log/{self.rank}", json.dumps(list(self.log)))
+        raise RuntimeError(message)
 
     def digest(self) -> tuple[int, int]:
         """(events so far, their running CRC-32): equal on every rank exactly when the descriptions were (up to
@@ -162,8 +243,13 @@ class CollectiveOrder:
         return self.issued, self.crc
 
     def step_checked(self) -> None:
-        """A step's digests agreed on every rank."""
+        """A step's digests agreed on every rank: its events are what the next step is checked against. Every
+        rank is past this step's meetings (it is in the step's all-reduce), so their keys can go."""
         self.steps += 1
+        self.expected, self.this_step = self.this_step, []
+        for key in self.meetings:
+            self.store.delete_key(key)
+        self.meetings.clear()
 
     def compare_logs(self) -> str | None:
         """Publish this rank's recent events in the store, read the other ranks' (each waited for up to LOG_WAIT_S
@@ -200,6 +286,12 @@ class CollectiveOrder:
         """The first divergence message a rank left, if any."""
         key = f"{self.key}/diverged"
         return self.store.get(key).decode() if self.store.check([key]) else None
+
+
+def _passed(report: bytes, steps: int, index: int) -> bool:
+    """Whether a rank's report of how far it got ("steps next_index") is past event ``index`` of step ``steps``."""
+    their_steps, their_next = map(int, report.split())
+    return (their_steps, their_next) > (steps, index)
 
 
 def _message(n: int, rank, description: str, other_rank, other: str) -> str:

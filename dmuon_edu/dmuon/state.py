@@ -102,9 +102,9 @@ def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None, shape=
               else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
     if state.replicas > 1 and state.owns(p):
         with state.replicate_order.collective(f"the state dict's broadcast of {state.name_of[p]} from replica "
-                                              f"{p._dmuon_replica}", state.replicate_group):
+                                              f"{p._dmuon_replica}"):
             dist.broadcast(buffer, group=state.replicate_group, group_src=p._dmuon_replica)
-    with state.order.collective(f"the state dict's broadcast of {state.name_of[p]} from rank {owner}", state.group):
+    with state.order.collective(f"the state dict's broadcast of {state.name_of[p]} from rank {owner}"):
         dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
 

@@ -142,16 +142,25 @@ def _proxies(state) -> list[tuple[nn.Parameter, TPShard]]:
             if getattr(p, "_dmuon_tp", None) is not None and p.requires_grad and state.receives_gradient(p)]
 
 
+def _check_together(proxies: list[tuple[nn.Parameter, TPShard]], descriptions: list[str]) -> list[int]:
+    """The order check of collectives issued together on this rank's TP group (every proxy's), in one batch."""
+    if not proxies:
+        return []
+    tp = proxies[0][1]
+    return tp.order.check_all(descriptions)
+
+
 def gather_gradients(state) -> None:
     """Step 1: each TP group's averaged gradient shards to the TP owner, joined into ``proxy._reduced_grad``;
     the proxy is zeroed, so that Muon leaves the update in it."""
+    proxies = _proxies(state)
+    shards = [p._reduced_grad if p._reduced_grad is not None else torch.zeros_like(p._dmuon_master)
+              for p, _ in proxies]
+    descriptions = [f"the TP gather of {state.name_of[p]}'s gradient to TP rank {tp.owner} ({shard.numel()} values each)"
+                    for (p, tp), shard in zip(proxies, shards)]
     pending = []
-    for p, tp in _proxies(state):
-        shard = p._reduced_grad if p._reduced_grad is not None else torch.zeros_like(p._dmuon_master)
+    for (p, tp), shard, event, description in zip(proxies, shards, _check_together(proxies, descriptions), descriptions):
         pieces = [torch.empty_like(shard) for _ in range(tp.size)] if tp.index == tp.owner else None
-        description = (f"the TP gather of {state.name_of[p]}'s gradient to TP rank {tp.owner} "
-                       f"({shard.numel()} values each)")
-        event = tp.order.check(description, tp.group)
         work = dist.gather(shard.contiguous(), pieces, group=tp.group, group_dst=tp.owner, async_op=True)
         pending.append((p, tp, pieces, event, description, work))
     for p, tp, pieces, event, description, work in pending:
@@ -165,13 +174,14 @@ def gather_gradients(state) -> None:
 def apply_updates(state, hyper_of) -> None:
     """Step 3: the TP owner scatters the update's shards; each DP owner decays its shard and adds its part.
     ``hyper_of(p)`` gives (lr, weight_decay) of p's Muon group."""
+    proxies = _proxies(state)
+    descriptions = [f"the TP scatter of {state.name_of[p]}'s update from TP rank {tp.owner} "
+                    f"({p._dmuon_master.numel()} values each)" for p, tp in proxies]
     pending = []
-    for p, tp in _proxies(state):
+    for (p, tp), event, description in zip(proxies, _check_together(proxies, descriptions), descriptions):
         received = torch.empty_like(p._dmuon_master)
         pieces = list(tp.proxy.chunk(tp.size, dim=tp.dim)) if tp.index == tp.owner else None
         pieces = [piece.contiguous() for piece in pieces] if pieces is not None else None
-        description = f"the TP scatter of {state.name_of[p]}'s update from TP rank {tp.owner} ({received.numel()} values each)"
-        event = tp.order.check(description, tp.group)
         work = dist.scatter(received, pieces, group=tp.group, group_src=tp.owner, async_op=True)
         pending.append((p, tp, received, event, description, work))
     for p, tp, received, event, description, work in pending:
@@ -191,16 +201,15 @@ def full_tensor(state, p: nn.Parameter, value: torch.Tensor | None, shape, dtype
     if shape is not None:  # the TP owner's full state: one broadcast over every rank
         buffer = (value.detach().clone() if state.steps(p)
                   else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
-        with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner", None):
+        with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner"):
             dist.broadcast(buffer, src=state.owners[name])
         return buffer
     shard = (p._dmuon_master.detach().clone() if state.owns(p)
              else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
-    with state.order.collective(f"the state dict's broadcast of {name}'s shard from rank {state.owner_of(p)}",
-                                state.group):
+    with state.order.collective(f"the state dict's broadcast of {name}'s shard from rank {state.owner_of(p)}"):
         dist.broadcast(shard, group=state.group, group_src=state.owner_of(p))
     pieces = [torch.empty_like(shard) for _ in range(tp.size)]
-    with tp.order.collective(f"the state dict's TP all-gather of {name}", tp.group):
+    with tp.order.collective(f"the state dict's TP all-gather of {name}"):
         dist.all_gather(pieces, shard, group=tp.group)
     return torch.cat(pieces, dim=tp.dim)
 

@@ -925,9 +925,9 @@ class ScheduleLog(TorchDispatchMode):
         super().__init__()
         self.events = []
         order = model._dmuon.order
-        check = order.check
-        order.check = lambda description, group: (self.events.append(("dmuon", description)),
-                                                   check(description, group))[1]
+        check_all = order.check_all  # check() goes through it too
+        order.check_all = lambda descriptions: (self.events.extend(("dmuon", d) for d in descriptions),
+                                                check_all(descriptions))[1]
         for i, layer in enumerate(model.layers):
             layer.register_forward_hook(lambda _m, _a, out, i=i: self._end_of_forward(i, out))
 
@@ -1495,25 +1495,27 @@ def check_partial_clip(mesh, backend="fsdp2"):
 
 
 def check_order_modes(mesh):
-    """order_check: "per_step" makes no store round trip after the first step; a divergence after it (rank 1
-    runs layers 1 and 2 swapped, resident in Z2: no dmuon collective notices) is refused at step() on every
-    rank, naming both layers; a wait that times out names the first differing event from the ranks' logs;
-    "off" makes none at all."""
+    """order_check "per_step", after its first step (strict): a step like the last one makes no store round
+    trip; a step that every rank changes alike (an evaluation on every rank first) meets in the store and goes
+    on, as does the step after it (unlike the one before), and the next makes none again. On gloo a rank that
+    runs layers 1 and 2 swapped (resident in Z2: no dmuon collective notices) is named at that forward, on both
+    ranks; as on NCCL (nothing checked before a collective) step() refuses it on every rank, naming both layers;
+    and a wait that times out names the first differing event from the ranks' logs. "off" makes no round trip."""
     rank, world = dist.get_rank(), dist.get_world_size()
     short = short_timeout_mesh()
     outcome, trips = {}, {}
     model, opt = build(short, zero3=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     order = model._dmuon.order
-    for step in range(2):
-        first_event = order.issued
+    for step in range(5):
+        before = order.round_trips
         mine, _, total = window(step, rank, world)
+        if step == 2:
+            with torch.no_grad():
+                model(mine[0][0])
         train_window(model, opt, sched, mine, total, use_no_sync=True)
-        trips[f"after_step_{step}"] = order.round_trips
-    # the events of step 1 that run a collective (the forwards' own events run none)
-    trips["collective_events_in_step_1"] = sum(1 for n, what in order.log
-                                               if n >= first_event and not what.startswith("the forward of"))
-    mine, _, total = window(2, rank, world)
+        trips[f"step_{step}"] = order.round_trips - before
+    mine, _, total = window(5, rank, world)
 
     def swapped_window():
         for j, (x, y) in enumerate(mine):
@@ -1522,20 +1524,26 @@ def check_order_modes(mesh):
                 (F.mse_loss(model(x), y, reduction="sum") * world / (total * OUT)).backward()
         opt.step()
 
+    outcome["forward"] = error_of(swapped_window)
+    distributed.barrier()
+    model, opt = build(short_timeout_mesh(), zero3=False)
+    train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
+                 use_no_sync=True)
+    model._dmuon.order.gloo = False  # as on NCCL: the step's comparison is the only check after the first step
     outcome["step"] = error_of(swapped_window)
     distributed.barrier()
-    model, opt = build(short, zero3=True)
+    model, opt = build(short_timeout_mesh(), zero3=True)
     train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
                  use_no_sync=True)
     state = model._dmuon
-    # Each rank waits in a broadcast from the other: both receive, both time out. The event goes without gloo's
-    # store check (no group given), which would have refused it before it ran: as on NCCL, only the timeout tells.
+    state.order.gloo = False  # as on NCCL, where nothing refuses the event before it runs: only the timeout tells
+    # Each rank waits in a broadcast from the other: both receive, both time out.
     target = next(p for p in state.params.values() if not state.owns(p))
     buffer = torch.empty(target._dmuon_shape)
 
     def wait():
         description = f"a test broadcast of {state.name_of[target]} from rank {state.owner_of(target)}"
-        with state.order.waiting(state.order.check(description, None), description):
+        with state.order.collective(description):
             dist.broadcast(buffer, group=state.group, group_src=state.owner_of(target))
 
     outcome["timeout"] = error_of(wait)
