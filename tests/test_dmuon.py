@@ -905,8 +905,8 @@ def test_per_step_on_gloo_names_a_rank_that_ran_the_last_steps_event_where_this_
 
 def test_per_step_on_gloo_names_a_rank_that_never_gets_there_at_the_timeout(one_rank):
     _, second = _verified_pair("test/silent", STEP)
-    with pytest.raises(RuntimeError, match=r"ranks \[0\] did not reach this rank's event #3, the forward of "
-                                           r"layers.0 for an evaluation, within the collective timeout"):
+    with pytest.raises(RuntimeError, match=r"timed out waiting 0:00:00.500000 \(the collective timeout\) for ranks "
+                                           r"\[0\] at this rank's event #3, the forward of layers.0 for an evaluation"):
         second.check("the forward of layers.0 for an evaluation")
 
 

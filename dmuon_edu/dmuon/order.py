@@ -206,8 +206,8 @@ class CollectiveOrder:
                 elif report is not None and _passed(report, self.steps, index):
                     self._compare(first, descriptions, self.expected[index : index + len(descriptions)], rank)
             if waiting and time.monotonic() > deadline:
-                self._refuse(f"dmuon: ranks {waiting} did not reach this rank's event #{first}, {descriptions[0]}, "
-                             f"within the collective timeout ({self.timeout}): their last report puts them before "
+                self._refuse(f"dmuon: timed out waiting {self.timeout} (the collective timeout) for ranks {waiting} "
+                             f"at this rank's event #{first}, {descriptions[0]}: their last report puts them before "
                              "it. A rank that stopped calling dmuon's collectives (an exception, an evaluation or "
                              "an early exit on some ranks only) leaves the others waiting")
             time.sleep(pause)
