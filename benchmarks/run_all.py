@@ -218,8 +218,8 @@ def time_model_section(predictions) -> tuple[list[str], str]:
                        "dmuon's time model (dmuon_edu/dmuon/step_time.py) predicts every setup's step from a "
                        "calibration made at the start of the same bench_step.py launch (dmuon.calibrate(): each "
                        "collective alone over message sizes, the frameworks' own work on tiny modules, matmuls and "
-                       "elementwise passes alone; 4 ranks on 2 "
-                       "cores: the model gives each rank cores / ranks of the calibrated one-rank rates). predicted / "
+                       "elementwise passes alone; on a CPU each rank computes at the part of its alone rate it kept "
+                       "while every rank multiplied at once in calibrate(), the rates' column 'shared'). predicted / "
                        "measured within 20% passes; pairs of measured rows more than 10% apart must be predicted in "
                        "the same order.", ""]
     calibrations = []
@@ -256,16 +256,18 @@ def time_model_section(predictions) -> tuple[list[str], str]:
         calibrations.append(f"| {machine_name} | {nproc} | {seconds:.1f} | "
                             + " | ".join(f"{hardware['matmul_flops'][d] / 1e9:.0f}" for d in ("float32", "bfloat16"))
                             + f" | {hardware['memory_bandwidth'] / 1e9:.1f} | {hardware['elementwise_seconds'] * 1e9:.2f} | "
-                            + f"{hardware['nonlinearity_seconds'] * 1e9:.2f} | "
+                            + f"{hardware['nonlinearity_seconds'] * 1e9:.2f} | {hardware['concurrent_share']:.2f} | "
                             + " | ".join(f"{links[c]['alpha'] * 1e6:.0f} us, {1 / links[c]['beta'] / 1e9 if links[c]['beta'] else float('inf'):.2f} GB/s"
                                          for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"))
                             + " |")
     lines += ["### The calibrations", "", "Per launch: its seconds, the matmul rates of one rank (GFLOP/s), the memory "
               "bandwidth of an elementwise pass (GB/s), an activation entry's cost through a norm or an add and "
-              "through a GELU, forward and backward (ns), and each collective's alpha and 1 / beta (wire bytes per "
+              "through a GELU, forward and backward (ns), the part of its float32 rate the slowest rank kept while "
+              "every rank multiplied at once (shared), and each collective's alpha and 1 / beta (wire bytes per "
               "second) over the whole world.", "",
-              "| machine | W ranks | seconds | float32 | bfloat16 | memory GB/s | norm, add ns | GELU ns | all_reduce | "
-              "all_gather | reduce_scatter | broadcast | reduce |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+              "| machine | W ranks | seconds | float32 | bfloat16 | memory GB/s | norm, add ns | GELU ns | shared | "
+              "all_reduce | all_gather | reduce_scatter | broadcast | reduce |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
               *calibrations, ""]
     return rows, "\n".join(lines)
 

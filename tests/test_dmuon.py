@@ -291,6 +291,8 @@ def test_calibrate_measures_this_machine_in_30_seconds(checks):
     c = real_use(checks, "calibrate")
     assert c["seconds_taken"] < 30, c  # the budget; 5 to 6 s measured on 2 cores
     assert c["cores"] >= 1 and c["memory_bandwidth"] > 1e8, c  # any machine streams more than 100 MB/s
+    # two ranks multiplying at once: a rank keeps some of its alone rate, and never more than all of it
+    assert 0 < c["concurrent_share"] <= 1, c
     # 0.1 GFLOP/s: an AVX2-only CPU multiplies bf16 at 0.46 GFLOP/s on one thread (float32 at 22)
     assert all(rate > 1e8 for rate in c["matmul_flops"].values()), c
     assert 0 < c["elementwise_seconds"] < 1e-6 and 0 < c["nonlinearity_seconds"] < 1e-6, c

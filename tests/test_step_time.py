@@ -96,6 +96,16 @@ def test_ranks_share_the_cores_they_outnumber():
     assert four.phases["backward"] == pytest.approx(2 * two.phases["backward"])
 
 
+def test_ranks_calibrated_together_compute_at_the_share_they_kept():
+    # calibrate() on 4 ranks kept 0.4 of the alone rate with all of them multiplying (less than the 0.5 of 2 cores
+    # over 4 ranks): the model uses it for 4 ranks on the node, and the cores rule for other counts
+    measured = dataclasses.replace(CPU, concurrent_share=0.4, calibrated_world_size=4)
+    two, four = (dmuon.predict_step(SMALL, dmuon.LAYOUTS["DDP + AdamW"], world_size=w, micro_batches=4,
+                                    hardware=measured) for w in (2, 4))
+    assert four.phases["forward"] == pytest.approx(two.phases["forward"] / 0.4)
+    assert measured.share(2) == 1.0 and measured.share(8) == 0.25
+
+
 def test_owners_share_newton_schulz_and_the_replicated_peer_does_not():
     replicated, owned = (dmuon.predict_step(SMALL, dmuon.LAYOUTS[name], world_size=2, micro_batches=4, hardware=CPU)
                          for name in ("DDP + replicated Muon", "dmuon DDP backend"))

@@ -112,6 +112,8 @@ class Hardware:
     elementwise_seconds: float = 0.0  # one activation entry through a norm or an add, forward and backward
     nonlinearity_seconds: float = 0.0  # one entry through the MLP's activation function (GELU), fwd and bwd
     calibrated_world_size: int | None = None  # the world size calibrate() ran on
+    # calibrate() on a CPU: the part of its alone rate the slowest rank kept while every rank multiplied at once
+    concurrent_share: float | None = None
     source: str = ""
 
     def rate(self, dtype: str | torch.dtype) -> float:
@@ -123,9 +125,13 @@ class Hardware:
         return self.matmul_flops[name]
 
     def share(self, ranks_on_node: int) -> float:
-        """The part of its rate a rank gets while ``ranks_on_node`` ranks compute on its node: cores / ranks on a
-        CPU with more ranks than cores, else 1."""
-        return 1.0 if self.cores is None else min(1.0, self.cores / max(ranks_on_node, 1))
+        """The part of its rate a rank gets while ``ranks_on_node`` ranks compute on its node: on a CPU, what
+        calibrate() measured for that many ranks, else cores / ranks with more ranks than cores; else 1."""
+        if self.cores is None:
+            return 1.0
+        if self.concurrent_share is not None and ranks_on_node == self.calibrated_world_size:
+            return self.concurrent_share
+        return min(1.0, self.cores / max(ranks_on_node, 1))
 
     def collective_seconds(self, collective: str, calls: int, nbytes: float, group_size: int,
                            nodes: int = 1, fixed: float | None = None) -> float:
@@ -230,9 +236,10 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     alone, every rank starting together, the slowest rank's time, the median of a few;
     :math:`\\alpha` and :math:`\\beta` are the least-squares line through the sizes (with the
     wire factor of :func:`wire_factor`). The matmul rates are timed on rank 0 alone while
-    the others wait, so that they are one rank's with the cores to itself; the model
-    shares them out when several ranks compute on one node (``cores``). Under 30 s on 2
-    CPU cores and 4 ranks.
+    the others wait, so that they are one rank's with the cores to itself; on a CPU the
+    float32 one is timed again on every rank at once, and the slowest rank's part of it
+    is ``concurrent_share``, which the model uses for that many ranks on one node
+    (``cores`` / ranks for other counts). Under 30 s on 2 CPU cores and 4 ranks.
 
     Args:
         dtypes: the dtypes whose matmul rate to measure.
@@ -266,11 +273,19 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     # The cores this process may run on (a container's share), else every core the machine reports.
     cores = None if device.type == "cuda" else (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    concurrent_share = None
+    if grouped and cores is not None:
+        # Every rank's rate with all of them multiplying at once: ranks that outnumber the cores lose more than
+        # cores / ranks to switching between them (and ranks that fill them lose some to each other)
+        dist.barrier()
+        slowest = torch.tensor([_matmul_flops(dtypes[0], device)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+        concurrent_share = min(1.0, float(slowest) / float(measured[0]))
     return Hardware(
         name="calibrated", matmul_flops={str(d).removeprefix("torch."): float(measured[i]) for i, d in enumerate(dtypes)},
         memory_bandwidth=float(measured[-3]), elementwise_seconds=float(measured[-2]),
         nonlinearity_seconds=float(measured[-1]), calibrated=calibrated, host_work=host_work, cores=cores,
-        overlap=device.type == "cuda", calibrated_world_size=world,
+        overlap=device.type == "cuda", calibrated_world_size=world, concurrent_share=concurrent_share,
         source=f"calibrate() on {world} rank(s), {device.type}",
     )
 

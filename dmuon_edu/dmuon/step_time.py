@@ -35,8 +35,10 @@ forward, the last bucket's reduce in a backward). A broadcast that is not prefet
 product waits for them) and everything in the optimizer step are paid in full.
 
 Ranks sharing a node's cores (``Hardware.cores``, one thread per rank) share its compute:
-with more ranks than cores each runs at cores / ranks of its rate. Collectives are
-priced at the world size a calibration measured, which includes that sharing.
+each runs at the part of its rate ``Hardware.share`` gives, what calibrate() measured
+with that many ranks multiplying at once, else cores / ranks where the ranks outnumber
+the cores. Collectives are priced at the world size a calibration measured, which
+includes that sharing.
 """
 
 from __future__ import annotations

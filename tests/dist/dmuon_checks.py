@@ -1958,7 +1958,7 @@ def check_calibrate():
     report("calibrate", seconds_taken=time.perf_counter() - started, world=dist.get_world_size(),
            matmul_flops=dict(hardware.matmul_flops), memory_bandwidth=hardware.memory_bandwidth,
            elementwise_seconds=hardware.elementwise_seconds, nonlinearity_seconds=hardware.nonlinearity_seconds,
-           cores=hardware.cores, calibrated={size: {c: [cost.alpha, cost.beta] for c, cost in costs.items()}
+           cores=hardware.cores, concurrent_share=hardware.concurrent_share, calibrated={size: {c: [cost.alpha, cost.beta] for c, cost in costs.items()}
                                              for size, costs in hardware.calibrated.items()},
            host_work={size: dict(work) for size, work in hardware.host_work.items()})
 
