@@ -262,7 +262,7 @@ def time_model_section(predictions) -> tuple[list[str], str]:
                             + " |")
     lines += ["### The calibrations", "", "Per launch: its seconds, the matmul rates of one rank (GFLOP/s), the memory "
               "bandwidth of an elementwise pass (GB/s), an activation entry's cost through a norm or an add and "
-              "through a GELU, forward and backward (ns), the part of its float32 rate the slowest rank kept while "
+              "through a GELU, forward and backward (ns), the part of its float32 rate a rank kept, on average, while "
               "every rank multiplied at once (shared), and each collective's alpha and 1 / beta (wire bytes per "
               "second) over the whole world.", "",
               "| machine | W ranks | seconds | float32 | bfloat16 | memory GB/s | norm, add ns | GELU ns | shared | "

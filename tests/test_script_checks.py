@@ -75,6 +75,8 @@ EXPECTED = {
                                    "checkpoint.load only fills the dictionary"],
     "resume_newest_folder": ["resume read step-3, whose save was cut short", "the newest checkpoint that verifies"],
     "resume_first_checkpoint": ["an older checkpoint (step 1)", "checkpoint.latest(root)"],
+    "resume_unmarked_folder": ["resume read step-3, whose save was cut short (it has no COMPLETE marker",
+                               "checkpoint.latest(root) and checkpoint.load do"],
     "token_mean_per_micro_batch": ["of its norm away", "the 2024 transformers bug", "all_reduce ran 1 time"],
     "token_local_count": ["each rank divided by its own token count", "all_reduce the count"],
     "token_average_not_undone": ["0.50x its norm", "multiply each loss by dist.get_world_size()"],
@@ -85,6 +87,8 @@ EXPECTED = {
     "short_window_over_accum_steps": ["step 3's gradient", "0.75x its norm", "as if it held accum_steps = 4"],
     "local_sample_count": ["each rank divided by its own sample count", "(dmuon)"],
     "sample_average_not_undone": ["0.50x its norm", "multiply each loss by dist.get_world_size()", "(dmuon)"],
+    "no_sync_left_out": ["DDP's all-reduces of the gradients moved", "dmuon's reduces of the matrices moved",
+                         "3.7x the traffic", "inside no_sync: one gradient sync per window"],
     "zero_grad_every_micro_batch": ["only each window's last micro-batch reached the step",
                                     "zero_grad() inside the micro-batch loop"],
 }

@@ -112,7 +112,7 @@ class Hardware:
     elementwise_seconds: float = 0.0  # one activation entry through a norm or an add, forward and backward
     nonlinearity_seconds: float = 0.0  # one entry through the MLP's activation function (GELU), fwd and bwd
     calibrated_world_size: int | None = None  # the world size calibrate() ran on
-    # calibrate() on a CPU: the part of its alone rate the slowest rank kept while every rank multiplied at once
+    # calibrate() on a CPU: the part of its alone rate a rank kept, on average, while every rank multiplied at once
     concurrent_share: float | None = None
     source: str = ""
 
@@ -237,7 +237,7 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     :math:`\\alpha` and :math:`\\beta` are the least-squares line through the sizes (with the
     wire factor of :func:`wire_factor`). The matmul rates are timed on rank 0 alone while
     the others wait, so that they are one rank's with the cores to itself; on a CPU the
-    float32 one is timed again on every rank at once, and the slowest rank's part of it
+    float32 one is timed again on every rank at once, and the ranks' average part of it
     is ``concurrent_share``, which the model uses for that many ranks on one node
     (``cores`` / ranks for other counts). Under 30 s on 2 CPU cores and 4 ranks.
 
@@ -275,12 +275,12 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     concurrent_share = None
     if grouped and cores is not None:
-        # Every rank's rate with all of them multiplying at once: ranks that outnumber the cores lose more than
-        # cores / ranks to switching between them (and ranks that fill them lose some to each other)
+        # Every rank's rate with all of them multiplying at once, averaged over the ranks: ranks that outnumber the
+        # cores lose more than cores / ranks to switching between them (and ranks that fill them lose some)
         dist.barrier()
-        slowest = torch.tensor([_matmul_flops(dtypes[0], device)], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
-        concurrent_share = min(1.0, float(slowest) / float(measured[0]))
+        together = torch.tensor([_matmul_flops(dtypes[0], device)], dtype=torch.float64)
+        dist.all_reduce(together)
+        concurrent_share = min(1.0, float(together) / world / float(measured[0]))
     return Hardware(
         name="calibrated", matmul_flops={str(d).removeprefix("torch."): float(measured[i]) for i, d in enumerate(dtypes)},
         memory_bandwidth=float(measured[-3]), elementwise_seconds=float(measured[-2]),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
@@ -250,6 +251,14 @@ def resume_newest_folder(model, optimizer, root):
     _resume_from(model, optimizer, max(Path(root).iterdir()))  # step-3: its save was cut short
 
 
+def resume_unmarked_folder(model, optimizer, root):
+    # The newest folder, loaded with torch.distributed.checkpoint itself, which reads no marker
+    state = _sharded(model, optimizer)
+    dcp.load(state, checkpoint_id=max(Path(root).iterdir()))
+    dmuon.set_model_state_dict(model, state["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
 def resume_first_checkpoint(model, optimizer, root):
     _resume_from(model, optimizer, min(Path(root).iterdir()))  # step-1: complete, but not the newest
 
@@ -334,6 +343,12 @@ def local_sample_count(model, optimizer, dataloader, accum_steps, no_sync):
 def sample_average_not_undone(model, optimizer, dataloader, accum_steps, no_sync):
     _uneven_train(model, optimizer, dataloader, accum_steps, no_sync,
                   lambda window, batch: len(batch[0]) / _over_ranks(_samples(window)))
+
+
+def no_sync_left_out(model, optimizer, dataloader, accum_steps, no_sync):
+    # The solution's weights, every window stepped, but every micro-batch synchronises its gradients.
+    _uneven_train(model, optimizer, dataloader, accum_steps, lambda _: contextlib.nullcontext(),
+                  lambda window, batch: len(batch[0]) * dist.get_world_size() / _over_ranks(_samples(window)))
 
 
 def zero_grad_every_micro_batch(model, optimizer, dataloader, accum_steps, no_sync):
@@ -486,6 +501,7 @@ MUTATIONS = [
     ("06_save_and_resume", "resume", loaded_but_not_handed_back),
     ("06_save_and_resume", "resume", resume_newest_folder),
     ("06_save_and_resume", "resume", resume_first_checkpoint),
+    ("06_save_and_resume", "resume", resume_unmarked_folder),
     ("05_token_weighted_ddp", "accumulate_window", token_mean_per_micro_batch),
     ("05_token_weighted_ddp", "accumulate_window", token_local_count),
     ("05_token_weighted_ddp", "accumulate_window", token_average_not_undone),
@@ -496,6 +512,7 @@ MUTATIONS = [
     ("06_uneven_windows", "train", local_sample_count),
     ("06_uneven_windows", "train", sample_average_not_undone),
     ("06_uneven_windows", "train", zero_grad_every_micro_batch),
+    ("06_uneven_windows", "train", no_sync_left_out),
 ]
 
 
