@@ -120,21 +120,27 @@ def main(ranks):
         differences.append(max_parameter_difference(full_parameters(model), reference[step - 1].parameters))
         checkpoint.save(sharded_state(model, optimizer), root / f"step-{step}", step=step)
         saved.append(full_state(model, optimizer))
-    # What a job killed while saving step 3 leaves behind: its files, and no marker.
+    # What a job killed while saving step 3 leaves behind: step 3's files, and no marker.
+    train_window(model, optimizer, problem, windows[2], ranks)
     dcp.save(sharded_state(model, optimizer), checkpoint_id=root / "step-3")
+    cut_short = full_state(model, optimizer)
     distributed.print0("saved after optimizer steps 1 and 2, the save of step 3 cut short; resuming in a new model "
                        "with other weights")
 
     model, optimizer = build(problem, mesh, ranks.device, scramble=True)
     findings = []
+    cut_short_read = ("resume read step-3, whose save was cut short ({}): resume from the newest checkpoint that "
+                      "verifies")
     try:
         resume(model, optimizer, root)
     except checkpoint.IncompleteCheckpointError:
-        findings.append("resume read step-3, whose save was cut short (checkpoint.load refuses it): resume from the "
-                        "newest checkpoint that verifies")
+        findings.append(cut_short_read.format("checkpoint.load refuses it"))
     if not findings:
         # Bit for bit: a checkpoint holds the exact values, so anything but 0 is a part left out.
-        findings = restoration_findings(saved[1], saved[0], full_state(model, optimizer))
+        resumed = full_state(model, optimizer)
+        findings = ([cut_short_read.format("it has no COMPLETE marker, which torch.distributed.checkpoint does not "
+                                           "read; checkpoint.latest(root) and checkpoint.load do")]
+                    if not differs(cut_short, resumed) else restoration_findings(saved[1], saved[0], resumed))
         train_window(model, optimizer, problem, windows[2], ranks)
         differences.append(max_parameter_difference(full_parameters(model), reference[2].parameters))
         if findings and differences[-1] >= ADAMW_TOLERANCE:

@@ -23,12 +23,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dmuon_edu import distributed, dmuon
 from dmuon_edu.accumulation import accumulation_windows
 from dmuon_edu.compare import max_parameter_difference
-from dmuon_edu.course.data_parallel import flat_gradient, report, weighting_findings
+from dmuon_edu.course.data_parallel import Traffic, flat_gradient, report, weighting_findings
 from dmuon_edu.course.dmuon_problem import (UnevenProblem, dedicated_parameters, full_parameters, guide_loop, per_rank,
                                             prepare)
 
@@ -42,8 +43,19 @@ def ddp_no_sync(model):
     return model.no_sync()
 
 
+def counting_all_reduce(counted):
+    """A DDP communication hook: DDP's own all-reduce of each gradient bucket, counted in ``counted`` (calls,
+    bytes). It counts the gradients' traffic alone, whatever other collectives train makes."""
+    def hook(process_group, bucket):
+        counted[0] += 1
+        counted[1] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(process_group, bucket)
+    return hook
+
+
 def run(problem, ranks, mesh, with_dmuon):
-    """Train under DDP or dmuon; return (the flat gradient each step stepped with, the parameters after it)."""
+    """Train under DDP or dmuon; return (the flat gradient each step stepped with, the parameters after it, the
+    gradients' (calls, bytes) in all: DDP's bucket all-reduces, or dmuon's reduces to the owners)."""
     model = problem.model().to(ranks.device)
     if with_dmuon:
         optimizer = prepare(model, mesh)
@@ -59,6 +71,8 @@ def run(problem, ranks, mesh, with_dmuon):
     else:
         model = DDP(model)
         optimizer = problem.optimizer(model.parameters())
+        ddp_traffic = [0, 0]
+        model.register_comm_hook(None, counting_all_reduce(ddp_traffic))
 
         def gradient():
             return flat_gradient(model.module.parameters()).clone()
@@ -70,11 +84,14 @@ def run(problem, ranks, mesh, with_dmuon):
     optimizer.register_step_pre_hook(lambda *_: stepped.append(gradient()))
     optimizer.register_step_post_hook(lambda *_: after.append(parameters()))
     stream = [tuple(t.to(ranks.device) for t in batch) for batch in problem.stream(ranks.rank, ranks.world_size)]
-    train(model, optimizer, stream, problem.accum_steps, dmuon.no_sync if with_dmuon else ddp_no_sync)
+    counts = distributed.count_collectives()
+    with counts:
+        train(model, optimizer, stream, problem.accum_steps, dmuon.no_sync if with_dmuon else ddp_no_sync)
+    traffic = (counts.calls["reduce"], counts.bytes["reduce"]) if with_dmuon else tuple(ddp_traffic)
     if with_dmuon:
         for g in stepped:
             dist.all_reduce(g)
-    return stepped, after
+    return stepped, after, traffic
 
 
 def one_more_micro_batch(problem, ranks):
@@ -106,11 +123,14 @@ def main(ranks):
     """Run train under DDP and under dmuon; grade the steps taken, each step's gradient and its parameters."""
     problem = UnevenProblem()
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
-    differences, runs, dropped = [], {}, {}
+    differences, runs, dropped, rows = [], {}, {}, {}
+    steps = len(problem.windows())
     for with_dmuon in (False, True):
         name = "dmuon" if with_dmuon else "DDP"
         reference = problem.reference_steps(ranks.world_size, with_muon=with_dmuon)
-        stepped, after = run(problem, ranks, mesh, with_dmuon)
+        stepped, after, (calls, nbytes) = run(problem, ranks, mesh, with_dmuon)
+        rows["dmuon's reduces of the matrices" if with_dmuon else "DDP's all-reduces of the gradients"] = (
+            calls // steps, nbytes // steps)
         runs[name] = stepped, reference
         differences.append([max_parameter_difference(parameters, expected.parameters) for parameters, expected
                             in zip(after, reference)] + [float("inf")] * (len(reference) - len(after)))
@@ -122,12 +142,18 @@ def main(ranks):
     distributed.print0(f"{ranks.world_size} ranks, windows of {problem.accum_steps} micro-batches, the last of "
                        f"{problem.leftover}: {sizes} samples per window")
     one_more = one_more_micro_batch(problem, ranks)
+    model = problem.model()
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    p_m = sum(p.numel() * p.element_size() for p in dedicated_parameters(model).values())
+    mistake = "every micro-batch of a window but its last runs inside no_sync: one gradient sync per window"
     return report(
         "06_uneven_windows",
         [max(step) for step in zip(*differences)],
-        {},
+        rows,
         hint="every sample of a window, on any rank, must weigh the same, and every window must be stepped",
         measurements={"one more micro-batch on rank 1": one_more},
+        traffic=(Traffic("DDP's all-reduces of the gradients", None, p_bytes, mistake),
+                 Traffic("dmuon's reduces of the matrices", None, p_m, mistake)),
         findings=findings,
     )
 
