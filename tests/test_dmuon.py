@@ -889,6 +889,20 @@ def test_per_step_on_gloo_meets_no_rank_in_a_step_like_the_last(one_rank):
     assert [c.round_trips for c in (first, second)] == trips
 
 
+def test_per_step_on_gloo_keeps_a_bounded_list_of_a_steps_events(one_rank, monkeypatch):
+    # a long loop of forwards between two steps (an evaluation, inference) must not grow the list without end
+    from dmuon_edu.dmuon import order
+    monkeypatch.setattr(order, "STEP_EVENTS_KEPT", 2)
+    pair = [order.CollectiveOrder("test/bounded", rank, [0, 1], torch.distributed.group.WORLD) for rank in (0, 1)]
+    for checker in pair:
+        for description in STEP:
+            checker.check(description)
+    for checker in pair:
+        checker.step_checked()
+    assert [checker.expected for checker in pair] == [STEP[:2]] * 2
+    assert [checker.step_events for checker in pair] == [0, 0]
+
+
 def test_per_step_on_gloo_lets_ranks_that_all_take_the_same_turn_go_on(one_rank):
     first, second = _verified_pair("test/turn", STEP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # both wait in the store for the other: two threads

@@ -80,6 +80,9 @@ __all__ = ["CollectiveOrder", "MODES", "SLOTS", "group_timeout"]
 
 SLOTS = 1024
 MODES = ("strict", "per_step", "off")
+# per_step on gloo: the events of a step kept to compare the next step with. A loop of forwards between two steps (an
+# evaluation, or inference after training) can be any length; past this many events each one meets the others.
+STEP_EVENTS_KEPT = 1 << 16
 LOG_WAIT_S = 15.0  # how long a rank that timed out waits for the others' logs (they time out too, about then)
 
 
@@ -116,7 +119,8 @@ class CollectiveOrder:
         self.log: deque[tuple[int, str]] = deque(maxlen=SLOTS)  # the last SLOTS events, for a diagnosis
         self.round_trips = 0  # store round trips made by the checks
         self.expected: list[str] = []  # per_step on gloo: the events of the last verified step, in order
-        self.this_step: list[str] = []  # ... and those of this step so far
+        self.this_step: list[str] = []  # ... and those of this step so far (the first STEP_EVENTS_KEPT)
+        self.step_events = 0  # events so far in this step
         self.meetings: list[str] = []  # this step's store keys this rank wrote in meetings (deleted once verified)
 
     @property
@@ -161,8 +165,10 @@ class CollectiveOrder:
         for n, description in zip(events, descriptions):
             self.crc = zlib.crc32(description.encode(), self.crc)
             self.log.append((n, description))
-        index = len(self.this_step)  # the batch's place in this step: the same on every rank that agrees
-        self.this_step += descriptions
+        index = self.step_events  # the batch's place in this step: the same on every rank that agrees
+        self.step_events += len(descriptions)
+        if index < STEP_EVENTS_KEPT:
+            self.this_step += descriptions
         if self.strict:
             self._first_writer(first, descriptions)
         elif self.gloo:
@@ -246,7 +252,7 @@ class CollectiveOrder:
         """A step's digests agreed on every rank: its events are what the next step is checked against. Every
         rank is past this step's meetings (it is in the step's all-reduce), so their keys can go."""
         self.steps += 1
-        self.expected, self.this_step = self.this_step, []
+        self.expected, self.this_step, self.step_events = self.this_step, [], 0
         for key in self.meetings:
             self.store.delete_key(key)
         self.meetings.clear()
