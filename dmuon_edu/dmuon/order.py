@@ -46,7 +46,8 @@ message for the other, which reads it when its collective fails as this process 
 or at the timeout). A rank that never reports (it stopped calling dmuon) is named at
 the collective timeout. So the steady state costs one write per event and no wait; a
 step that differs from the last one, and the step after it, wait once per event for
-the slowest rank. ``benchmarks/order_check.py`` measures it. (Tried first, and dropped
+the slowest rank (as does every event past the first ``STEP_EVENTS_KEPT`` of a step,
+the most a rank keeps to compare the next step with). ``benchmarks/order_check.py`` measures it. (Tried first, and dropped
 for their cost: an all-reduce of the events' hashes before each collective, 7% of a Z3
 step on 2 CPU ranks; a first-writer ``compare_set`` per collective, as "strict" does,
 up to 2.9% of an HSDP Z3 step on 4 ranks over 2 cores.) NCCL does not abort on such a
