@@ -7,6 +7,9 @@ machine (``--standalone`` picks a free port). Each rank's output is printed as
 it arrives, tagged ``[rank r]``. If a rank fails, :class:`RankFailedError`
 names the rank torchrun saw fail first (or the one gloo aborted on a collective
 mismatch: the other ranks' errors follow from it) and carries its exception.
+Python's faulthandler is on in every rank (``PYTHONFAULTHANDLER``, unless set
+otherwise), so a rank that crashes natively (a segfault) is named with the
+Python frames it was in.
 
 However the call ends (the job finished or failed, it outlived ``timeout``,
 torchrun itself died, Ctrl-C), no process of the job is left when it returns or
@@ -70,6 +73,8 @@ _COLLECTIVE_MISMATCH = re.compile(r"collective mismatch|doesn't match expected s
 # A script that does not compile: Python prints where and the error, without a "Traceback" line above them.
 _COMPILE_ERROR = re.compile(r"^(?:SyntaxError|IndentationError|TabError): ")
 _FILE_LINE = re.compile(r'^\s*File "(.+)", line (\d+)')
+# faulthandler's frames: '  File "/path/script.py", line 12 in train' (no comma before "in")
+_FAULT_FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)')
 _ENDPOINT = re.compile(r"^[\w.\-\[\]:]+:\d{1,5}$")
 
 
@@ -249,6 +254,7 @@ def _rank_environment(nproc: int, extra: dict[str, str] | None, job: str) -> dic
     # Without a limit every rank starts one thread per core and they fight over the cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes natively prints where, in Python
     env.update(extra or {})
     env[_JOB_VARIABLE] = job
     return env
@@ -348,7 +354,9 @@ def _exception_of(result: LaunchResult, rank: int | None) -> str:
     if name == "SIGABRT":
         return f"exit code {code} (SIGABRT), no Python traceback: it aborted in native code (its output may say where)"
     if name:
-        return f"exit code {code} ({name}), no Python traceback: it was killed by a signal"
+        where = _fatal_frame(lines)
+        return (f"exit code {code} ({name}) in {where} (Python's faulthandler: the innermost Python frames)" if where
+                else f"exit code {code} ({name}), no Python traceback: it was killed by a signal")
     return f"exit code {code}, no Python traceback: the script called sys.exit or os._exit with it"
 
 
@@ -360,6 +368,17 @@ def _gloo_abort(lines: list[str]) -> tuple[str, str] | None:
             # what() comes right after, unless a line from the rank's other stream landed in between.
             what = [m.group(1) for later in lines[i + 1:i + 3] if (m := _ABORT_WHAT.match(later))]
             return match.group(1), _SOURCE_LOCATION.sub("", what[0] if what else "")
+    return None
+
+
+def _fatal_frame(lines: list[str]) -> str | None:
+    """Where Python's faulthandler (on in every rank) saw the crashing thread: its innermost frame and the one that
+    called it, or None."""
+    for i, line in enumerate(lines):
+        if line.startswith("Current thread"):
+            frames = [m for later in lines[i + 1:i + 3] if (m := _FAULT_FRAME.match(later))]
+            if frames:
+                return ", called from ".join(f"{m.group(3)} ({m.group(1)}, line {m.group(2)})" for m in frames)
     return None
 
 

@@ -378,6 +378,15 @@ def test_a_rank_that_dies_without_a_traceback_is_named_with_its_own_exit_status(
     assert _exception_of(unnamed, 1).startswith("exit code -40 (signal 40), no Python traceback")
 
 
+def test_a_rank_that_crashes_natively_is_named_with_where_python_was():
+    # faulthandler is on in every rank: the launcher names the signal and the innermost Python frame
+    with pytest.raises(RankFailedError) as failure:
+        torchrun(DIST / "segfault_on_rank1.py", nproc=2, echo=False, timeout=120)
+    assert failure.value.rank == 1, failure.value
+    assert re.match(r"exit code -11 \(SIGSEGV\) in string_at \(.*ctypes.*\), called from read_address_zero "
+                    r"\(.*segfault_on_rank1\.py, line 9\)", failure.value.exception), failure.value.exception
+
+
 def test_a_failure_after_the_session_still_fails_the_job():
     # After a clean session the script is an ordinary Python program again: an exception fails it.
     with pytest.raises(RankFailedError, match="ValueError: after the session"):
