@@ -22,6 +22,7 @@ off: cuBLAS and the CPU's BLAS sum float32 products in other orders, which is th
 """
 
 import ast
+import datetime
 import concurrent.futures
 import io
 import json
@@ -916,6 +917,15 @@ def test_per_step_on_gloo_names_a_rank_that_ran_the_last_steps_event_where_this_
     first.check("the forward of layers.0")  # as last step: rank 0 reports it is past event 3 and goes on
     with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "
                                            r"evaluation, but rank 0 ran the forward of layers.0\. .*evaluate on every"):
+        second.check("the forward of layers.0 for an evaluation")
+
+
+def test_per_step_on_gloo_a_rank_waiting_at_a_turn_reads_a_refusal_made_elsewhere_at_once(one_rank):
+    first, second = _verified_pair("test/refused", STEP)
+    second.timeout = datetime.timedelta(seconds=60)  # far longer than the test may take: the refusal must end it
+    first.store.compare_set(f"{first.key}/diverged", "", "dmuon: the ranks diverged at their event #9 (a test)")
+    with pytest.raises(RuntimeError, match=r"event #9 \(a test\) \(this rank, 1, was waiting for the others at its "
+                                           r"event #3, the forward of layers.0 for an evaluation\)"):
         second.check("the forward of layers.0 for an evaluation")
 
 

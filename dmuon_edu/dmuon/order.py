@@ -43,8 +43,8 @@ in the store under that place, and waits until every rank has left one there (th
 took the same turn: it goes on) or one has reported a later place without leaving one
 (that rank ran the listed event instead: it raises at once, naming both, and leaves the
 message for the other, which reads it when its collective fails as this process ends,
-or at the timeout). A rank that never reports (it stopped calling dmuon) is named at
-the collective timeout. So the steady state costs one write per event and no wait; a
+or at the timeout). A refusal any rank left in the store ends the wait at once; a rank
+that never reports (it stopped calling dmuon) is named at the collective timeout. So the steady state costs one write per event and no wait; a
 step that differs from the last one, and the step after it, wait once per event for
 the slowest rank (as does every event past the first ``STEP_EVENTS_KEPT`` of a step,
 the most a rank keeps to compare the next step with). ``benchmarks/order_check.py`` measures it. (Tried first, and dropped
@@ -212,6 +212,10 @@ class CollectiveOrder:
                     waiting.remove(rank)
                 elif report is not None and _passed(report, self.steps, index):
                     self._compare(first, descriptions, self.expected[index : index + len(descriptions)], rank)
+            refused = self._divergence_report() if waiting else None
+            if refused is not None:  # a rank refused elsewhere: it will not come here
+                raise RuntimeError(f"{refused} (this rank, {self.rank}, was waiting for the others at its event "
+                                   f"#{first}, {descriptions[0]})")
             if waiting and time.monotonic() > deadline:
                 self._refuse(f"dmuon: timed out waiting {self.timeout} (the collective timeout) for ranks {waiting} "
                              f"at this rank's event #{first}, {descriptions[0]}: their last report puts them before "
