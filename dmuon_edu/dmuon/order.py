@@ -34,24 +34,26 @@ by its kind, layer, owner and size, and the ranks compare the descriptions. How,
 On gloo, "per_step" also makes sure, before every event after the first step, that no
 rank issues a collective another rank does not: gloo aborts the whole process, natively,
 when a collective's sizes differ between ranks (a rank evaluating on rank 0 only pairs
-its forward's broadcast with its peer's backward one). Steps repeat: the ranks agreed
-on the last step's events, so a rank whose next event (or batch) is the one at the same
+its forward's broadcast with its peer's backward one). Steps repeat: the ranks agreed on
+the last step's events, so a rank whose next event (or batch) is the one at the same
 place in the last step's list issues it at once, and only tells the store how far it got
-(a one-way write: no reply awaited). A rank whose next event differs from the list
-(an evaluation, an uneven last window, a new branch) *meets*: it leaves its description
-in the store under that place, and waits until every rank has left one there (they all
-took the same turn: it goes on) or one has reported a later place without leaving one
-(that rank ran the listed event instead: it raises at once, naming both, and leaves the
-message for the other, which reads it when its collective fails as this process ends,
-or at the timeout). A refusal any rank left in the store ends the wait at once; a rank
-that never reports (it stopped calling dmuon) is named at the collective timeout. So the steady state costs one write per event and no wait; a
-step that differs from the last one, and the step after it, wait once per event for
-the slowest rank (as does every event past the first ``STEP_EVENTS_KEPT`` of a step,
-the most a rank keeps to compare the next step with). ``benchmarks/order_check.py`` measures it. (Tried first, and dropped
-for their cost: an all-reduce of the events' hashes before each collective, 7% of a Z3
-step on 2 CPU ranks; a first-writer ``compare_set`` per collective, as "strict" does,
-up to 2.9% of an HSDP Z3 step on 4 ranks over 2 cores.) NCCL does not abort on such a
-mismatch (its watchdog times the collective out), so there "per_step" stays as above.
+(a one-way write: no reply awaited). A rank whose next event differs from the list (an
+evaluation, an uneven last window, a new branch) *meets*: it leaves its description in
+the store under that place, and waits until every rank has left one there (they all took
+the same turn: it goes on) or one has reported a later place without leaving one (that
+rank ran the listed event instead: it raises at once, naming both, and leaves the
+message for the other, which reads it when its collective fails as this process ends, or
+at the timeout). A refusal any rank left in the store ends the wait at once; a rank that
+never reports (it stopped calling dmuon) is named at the collective timeout. So the
+steady state costs one write per event and no wait; a step that differs from the last
+one, and the step after it, wait once per event for the slowest rank (as does every
+event past the first ``STEP_EVENTS_KEPT`` of a step, the most a rank keeps to compare
+the next step with). ``benchmarks/order_check.py`` measures it. (Tried first, and
+dropped for their cost: an all-reduce of the events' hashes before each collective, 7%
+of a Z3 step on 2 CPU ranks; a first-writer ``compare_set`` per collective, as "strict"
+does, up to 2.9% of an HSDP Z3 step on 4 ranks over 2 cores.) NCCL does not abort on
+such a mismatch (its watchdog times the collective out), so there "per_step" stays as
+above.
 
 With HSDP the replicate axis has an order of its own per shard index, and with tensor
 parallelism each TP group one (tp.py), in the same mode; their events follow from the
