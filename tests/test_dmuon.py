@@ -866,8 +866,6 @@ def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, m
 def _verified_pair(key, step):
     """Two ranks' checkers in one process, as two ranks would be, after a first step of ``step`` (checked strictly,
     then verified)."""
-    import datetime
-
     from dmuon_edu.dmuon import order
     pair = [order.CollectiveOrder(key, rank, [0, 1], torch.distributed.group.WORLD) for rank in (0, 1)]
     for checker in pair:

@@ -237,7 +237,7 @@ def calibrate(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     :math:`\\alpha` and :math:`\\beta` are the least-squares line through the sizes (with the
     wire factor of :func:`wire_factor`). The matmul rates are timed on rank 0 alone while
     the others wait, so that they are one rank's with the cores to itself; on a CPU the
-    float32 one is timed again on every rank at once, and the ranks' average part of it
+    first dtype's is timed again on every rank at once, and the ranks' average part of it
     is ``concurrent_share``, which the model uses for that many ranks on one node
     (``cores`` / ranks for other counts). Under 30 s on 2 CPU cores and 4 ranks.
 

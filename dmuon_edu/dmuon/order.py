@@ -204,7 +204,7 @@ class CollectiveOrder:
         self.meetings.append(f"{place}/{self.rank}")
         deadline = time.monotonic() + self.timeout.total_seconds()
         waiting, pause = [r for r in self.ranks if r != self.rank], 1e-4
-        while waiting:
+        while True:
             for rank in list(waiting):
                 # how far it got, read before its key here: a rank writes that one first
                 report = self._get(f"{self.key}/at/{rank}")
@@ -214,11 +214,13 @@ class CollectiveOrder:
                     waiting.remove(rank)
                 elif report is not None and _passed(report, self.steps, index):
                     self._compare(first, descriptions, self.expected[index : index + len(descriptions)], rank)
-            refused = self._divergence_report() if waiting else None
+            if not waiting:
+                break
+            refused = self._divergence_report()
             if refused is not None:  # a rank refused elsewhere: it will not come here
                 raise RuntimeError(f"{refused} (this rank, {self.rank}, was waiting for the others at its event "
                                    f"#{first}, {descriptions[0]})")
-            if waiting and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 self._refuse(f"dmuon: timed out waiting {self.timeout} (the collective timeout) for ranks {waiting} "
                              f"at this rank's event #{first}, {descriptions[0]}: their last report puts them before "
                              "it. A rank that stopped calling dmuon's collectives (an exception, an evaluation or "
@@ -297,8 +299,8 @@ class CollectiveOrder:
 
     def _divergence_report(self) -> str | None:
         """The first divergence message a rank left, if any."""
-        key = f"{self.key}/diverged"
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        report = self._get(f"{self.key}/diverged")
+        return report.decode() if report is not None else None
 
 
 def _passed(report: bytes, steps: int, index: int) -> bool:
