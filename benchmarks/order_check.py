@@ -74,16 +74,16 @@ def worker():
             opt = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
             order = model._dmuon.order
             in_check = [0.0]
-            check_all = order.check_all  # check() calls it
+            record = order._record  # check(), check_all() and note() call it
 
-            def timed_check(descriptions):
+            def timed_check(descriptions, collective):
                 start = time.perf_counter()
                 try:
-                    return check_all(descriptions)
+                    return record(descriptions, collective)
                 finally:
                     in_check[0] += time.perf_counter() - start
 
-            order.check_all = timed_check
+            order._record = timed_check
             train_step(model, opt)  # warm-up: the first step, strict in every mode but "off"
             times, checking, counts = {m: [] for m in MODES}, {m: [] for m in MODES}, {}
             for r in range(REPEATS):

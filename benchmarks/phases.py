@@ -98,7 +98,7 @@ def instrument(phases: Phases) -> None:
     from dmuon_edu.dmuon import ddp, dedicate, optim, order, tp
 
     phases.wrap_context(order.CollectiveOrder, "waiting", _wait_phase)
-    phases.wrap(order.CollectiveOrder, "check_all", "order check")  # check() calls it
+    phases.wrap(order.CollectiveOrder, "_record", "order check")  # check(), check_all() and note() call it
     hooks = "dmuon's hooks and copies"
     for attribute in ("issue_broadcasts", "land", "release", "on_grad", "issue_reduce", "finish_backward", "publish",
                       "wait_published", "_sample_after_backward"):

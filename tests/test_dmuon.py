@@ -32,6 +32,7 @@ import re
 import socket
 import subprocess
 import sys
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -863,11 +864,12 @@ def test_the_order_check_names_both_ranks_and_wraps_around_its_slots(one_rank, m
             raise RuntimeError("Timed out waiting 3000ms")
 
 
-def _verified_pair(key, step):
+def _verified_pair(key, step, report_notes=True):
     """Two ranks' checkers in one process, as two ranks would be, after a first step of ``step`` (checked strictly,
     then verified)."""
     from dmuon_edu.dmuon import order
-    pair = [order.CollectiveOrder(key, rank, [0, 1], torch.distributed.group.WORLD) for rank in (0, 1)]
+    pair = [order.CollectiveOrder(key, rank, [0, 1], torch.distributed.group.WORLD, report_notes=report_notes)
+            for rank in (0, 1)]
     for checker in pair:
         checker.timeout = datetime.timedelta(seconds=0.5)
         checker.check_all(step)
@@ -916,6 +918,46 @@ def test_per_step_on_gloo_names_a_rank_that_ran_the_last_steps_event_where_this_
     with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "
                                            r"evaluation, but rank 0 ran the forward of layers.0\. .*evaluate on every"):
         second.check("the forward of layers.0 for an evaluation")
+
+
+def test_per_step_on_gloo_a_rank_reports_a_forward_only_where_others_collectives_can_follow(one_rank):
+    # FSDP2 (or TP) can make a rank wait in its all-gather right after a layer's forward: the forward is reported.
+    # The DDP backend's next collective is dmuon's, which reports it (on a busy CPU each write can cost the rank
+    # its core: 4 ranks on 2 cores spent 13 ms of a 1.25 s step reporting forwards).
+    for report_notes, writes in ((True, 2), (False, 1)):
+        first, _ = _verified_pair(f"test/notes-{report_notes}", STEP, report_notes)
+        with unittest.mock.patch.object(first, "_report", wraps=first._report) as report:
+            first.note(STEP[0])
+            first.check(STEP[1])
+        assert report.call_count == writes, (report_notes, report.call_args_list)
+
+
+def test_per_step_on_gloo_a_rank_past_unreported_forwards_is_named_at_its_next_collective(one_rank):
+    first, second = _verified_pair("test/unreported", STEP, report_notes=False)
+    first.note(STEP[0])  # as last step, and not reported
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(second.note, "the forward of layers.0 for an evaluation")
+        first.check(STEP[1])  # reports that it is past both
+        with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "
+                                               r"evaluation, but rank 0 ran the forward of layers.0\."):
+            waiting.result(timeout=5)
+
+
+def test_per_step_on_gloo_a_rank_that_meets_after_unreported_forwards_reports_first(one_rank):
+    # Rank 0 passed the forward without a report and turns at the next event; rank 1 turned at the forward. Each
+    # waits for the other unless the later one says where it is before it waits: then both raise at once.
+    first, second = _verified_pair("test/both-turn", STEP, report_notes=False)
+    for checker in (first, second):
+        checker.timeout = datetime.timedelta(seconds=60)  # far longer than the test may take
+    first.note(STEP[0])
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(second.note, "the forward of layers.0 for an evaluation")
+        with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "
+                                               r"evaluation, but rank 0 ran the forward of layers.0\. .* \(this "
+                                               r"rank, 0, was waiting for the others at its event #4"):
+            first.check("the broadcast of layers.1")
+        with pytest.raises(RuntimeError, match=r"event #3: rank 1 is about to run the forward of layers.0 for an "):
+            waiting.result(timeout=5)
 
 
 def test_per_step_on_gloo_a_rank_waiting_at_a_turn_reads_a_refusal_made_elsewhere_at_once(one_rank):

@@ -101,6 +101,7 @@ class DDPState(DMuonState):
     order_of_calls: ClassVar[str] = ("dmuon.dedicate_params_ddp(model, mesh, predicate) and dmuon.replicate(model, "
                                      "mesh) take the plain model; they replace fully_shard, not join it")
     holds_every_matrix: ClassVar[bool] = True
+    others_collectives_in_forward: ClassVar[bool] = False  # replicate()'s are dmuon's own (TP's are the exception)
 
     replicated: Replicated | None = None  # set by replicate()
 

@@ -118,12 +118,14 @@ class Unit:
 
 @dataclass
 class DMuonState:
-    # The entry point that builds this kind of state, the calls that go with it (for messages), and whether
-    # every rank holds every dedicated matrix between uses (the DDP backend, ddp.py) or only its owner does.
+    # The entry point that builds this kind of state, the calls that go with it (for messages), whether every
+    # rank holds every dedicated matrix between uses (the DDP backend, ddp.py) or only its owner does, and whether
+    # collectives not dmuon's (FSDP2's all-gathers) run in a forward between dmuon's own.
     entry: ClassVar[str] = "dedicate_params"
     order_of_calls: ClassVar[str] = ("call dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard "
                                      "the layers and the model")
     holds_every_matrix: ClassVar[bool] = False
+    others_collectives_in_forward: ClassVar[bool] = True
 
     model: nn.Module = field(repr=False)
     mesh: DeviceMesh
@@ -732,7 +734,9 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
         owners = {name: rank_at[(tp_owner.get(name, column), g)] for name, g in plan.items()}
     # Every replica runs the same events on its shard axis: one key for all ranks. The replicate axis has a key
     # per shard index, shared by that column's ranks.
-    order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()), mesh.get_group())
+    # A rank that may wait in another's collective after a layer's forward must report it got there (order.py).
+    order = CollectiveOrder(key, dist.get_rank(), range(dist.get_world_size()), mesh.get_group(),
+                            report_notes=state_type.others_collectives_in_forward or tp_mesh is not None)
     replicate_order = (CollectiveOrder(f"{key}/replicate-axis-{mesh.get_local_rank()}", dist.get_rank(),
                                        dist.get_process_group_ranks(replicate_mesh.get_group()),
                                        replicate_mesh.get_group())
@@ -912,8 +916,8 @@ def _outside_dynamo(hook):
 def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
     if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
         state.microbatch += 1
-    state.order.check(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
-                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")  # no collective of its own
+    state.order.note(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
+                     f"{'inside' if state.in_no_sync else 'outside'} no_sync")
     state.issue_broadcasts(unit)
     if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
         state.prefetch(unit, +1)

@@ -37,23 +37,26 @@ when a collective's sizes differ between ranks (a rank evaluating on rank 0 only
 its forward's broadcast with its peer's backward one). Steps repeat: the ranks agreed on
 the last step's events, so a rank whose next event (or batch) is the one at the same
 place in the last step's list issues it at once, and only tells the store how far it got
-(a one-way write: no reply awaited). A rank whose next event differs from the list (an
-evaluation, an uneven last window, a new branch) *meets*: it leaves its description in
-the store under that place, and waits until every rank has left one there (they all took
-the same turn: it goes on) or one has reported a later place without leaving one (that
-rank ran the listed event instead: it raises at once, naming both, and leaves the
-message for the other, which reads it when its collective fails as this process ends, or
-at the timeout). A refusal any rank left in the store ends the wait at once; a rank that
-never reports (it stopped calling dmuon) is named at the collective timeout. So the
-steady state costs one write per event and no wait; a step that differs from the last
-one, and the step after it, wait once per event for the slowest rank (as does every
-event past the first ``STEP_EVENTS_KEPT`` of a step, the most a rank keeps to compare
-the next step with). ``benchmarks/order_check.py`` measures it. (Tried first, and
-dropped for their cost: an all-reduce of the events' hashes before each collective, 7%
-of a Z3 step on 2 CPU ranks; a first-writer ``compare_set`` per collective, as "strict"
-does, up to 2.9% of an HSDP Z3 step on 4 ranks over 2 cores.) NCCL does not abort on
-such a mismatch (its watchdog times the collective out), so there "per_step" stays as
-above.
+(a one-way write: no reply awaited), before each of its collectives, and before each
+forward it notes where collectives that are not dmuon's can follow (FSDP2's all-gathers,
+tensor parallelism's: waiting in one, a rank could report nothing; the DDP backend's
+forwards are reported by its next collective). A rank whose next event differs from the
+list (an evaluation, an uneven last window, a new branch) *meets*: it leaves its
+description in the store under that place, and waits until every rank has left one there
+(they all took the same turn: it goes on) or one has reported a later place without
+leaving one (that rank ran the listed event instead: it raises at once, naming both, and
+leaves the message for the other, which reads it when its collective fails as this
+process ends, or at the timeout). A refusal any rank left in the store ends the wait at
+once; a rank that never reports (it stopped calling dmuon) is named at the collective
+timeout. So the steady state costs one write per collective (and per forward, with FSDP2
+or TP) and no wait; a step that differs from the last one, and the step after it, wait
+once per event for the slowest rank (as does every event past the first
+``STEP_EVENTS_KEPT`` of a step, the most a rank keeps to compare the next step with).
+``benchmarks/order_check.py`` measures it. (Tried first, and dropped for their cost: an
+all-reduce of the events' hashes before each collective, 7% of a Z3 step on 2 CPU ranks;
+a first-writer ``compare_set`` per collective, as "strict" does, up to 2.9% of an HSDP
+Z3 step on 4 ranks over 2 cores.) NCCL does not abort on such a mismatch (its watchdog
+times the collective out), so there "per_step" stays as above.
 
 With HSDP the replicate axis has an order of its own per shard index, and with tensor
 parallelism each TP group one (tp.py), in the same mode; their events follow from the
@@ -106,13 +109,19 @@ class CollectiveOrder:
         ranks: the global ranks that share ``key``.
         group: the process group whose backend the events' collectives run on and whose
             timeout a wait in the store takes.
+        report_notes: whether, on gloo after the first step, a rank reports how far it got at
+            each :meth:`note` too: needed where collectives that are not checked here (FSDP2's,
+            tensor parallelism's) can follow one, since a rank waiting in one of them could not
+            report that it passed the note.
     """
 
-    def __init__(self, key: str, rank: int, ranks: Sequence[int], group: dist.ProcessGroup):
+    def __init__(self, key: str, rank: int, ranks: Sequence[int], group: dist.ProcessGroup,
+                 report_notes: bool = True):
         self.store = dist.distributed_c10d._get_default_store()
         self.key, self.rank, self.ranks = key, rank, list(ranks)
         self.gloo = dist.get_backend(group) == "gloo"
         self.timeout = group_timeout(group)
+        self.report_notes = report_notes
         self.mode = "per_step"
         self.strict_steps = 1  # per_step: steps checked strictly before the running CRC takes over
         self.steps = 0  # steps whose order was verified
@@ -160,6 +169,15 @@ class CollectiveOrder:
 
     def check_all(self, descriptions: Sequence[str]) -> list[int]:
         """:meth:`check` for events issued together, as one batch; returns their event numbers."""
+        return self._record(descriptions, collective=True)
+
+    def note(self, description: str) -> None:
+        """Record ``description``, an event that issues no collective (a layer's forward), as :meth:`check`
+        does. On gloo after the first step, one like the last step's is reported only with ``report_notes``:
+        otherwise the rank's next collective or meeting reports that it passed it."""
+        self._record([description], collective=False)
+
+    def _record(self, descriptions: Sequence[str], collective: bool) -> list[int]:
         first = self.issued
         events = list(range(first, first + len(descriptions)))
         self.issued += len(descriptions)
@@ -176,8 +194,8 @@ class CollectiveOrder:
             self._first_writer(first, descriptions)
         elif self.gloo:
             if list(descriptions) == self.expected[index : index + len(descriptions)]:
-                # as every rank did last step: only say how far this rank got (no reply awaited)
-                self.store.set(f"{self.key}/at/{self.rank}", f"{self.steps} {index + len(descriptions)}")
+                if collective or self.report_notes:  # as every rank did last step: only say how far it got
+                    self._report(index + len(descriptions))
             else:
                 self._meet(index, first, descriptions)
         return events
@@ -200,6 +218,9 @@ class CollectiveOrder:
         """per_step on gloo, a batch unlike last step's at ``index``: wait until every rank has left the same batch
         there. A rank that reported a later place without leaving one ran last step's events there instead."""
         place = f"{self.key}/met/{self.steps}/{index}"
+        # first how far it got (past events it noted without a report): a rank waiting at an earlier place then
+        # knows this one passed it, where the two would otherwise wait for each other until the timeout
+        self._report(index)
         self.store.set(f"{place}/{self.rank}", json.dumps(list(descriptions)))
         self.meetings.append(f"{place}/{self.rank}")
         deadline = time.monotonic() + self.timeout.total_seconds()
@@ -227,7 +248,12 @@ class CollectiveOrder:
                              "an early exit on some ranks only) leaves the others waiting")
             time.sleep(pause)
             pause = min(2 * pause, 5e-3)
-        self.store.set(f"{self.key}/at/{self.rank}", f"{self.steps} {index + len(descriptions)}")
+        self._report(index + len(descriptions))
+
+    def _report(self, passed: int) -> None:
+        """Tell the store (one way, no reply awaited) that this rank is past the first ``passed`` events of this
+        step, so a rank meeting at one of them knows this one ran the last step's event there."""
+        self.store.set(f"{self.key}/at/{self.rank}", f"{self.steps} {passed}")
 
     def _get(self, key: str) -> bytes | None:
         """The value at ``key``, or None if there is none yet (the store's get would wait for it)."""

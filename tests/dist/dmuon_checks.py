@@ -925,9 +925,9 @@ class ScheduleLog(TorchDispatchMode):
         super().__init__()
         self.events = []
         order = model._dmuon.order
-        check_all = order.check_all  # check() goes through it too
-        order.check_all = lambda descriptions: (self.events.extend(("dmuon", d) for d in descriptions),
-                                                check_all(descriptions))[1]
+        record = order._record  # check(), check_all() and note() go through it
+        order._record = lambda descriptions, collective: (self.events.extend(("dmuon", d) for d in descriptions),
+                                                          record(descriptions, collective))[1]
         for i, layer in enumerate(model.layers):
             layer.register_forward_hook(lambda _m, _a, out, i=i: self._end_of_forward(i, out))
 
