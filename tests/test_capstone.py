@@ -254,10 +254,17 @@ def test_predicted_bytes_follow_module_6():
 
 
 @pytest.mark.parametrize("predicate, status, hint", [
-    (lambda n, p: n.endswith("_proj.weight"), "PASS", ""),
+    (lambda n, p: p.ndim == 2 and "embed" not in n and "head" not in n, "PASS", "on both models"),
+    (lambda n, p: p.ndim == 2 and not n.endswith(("embedding.weight", "embed.weight", "head.weight")), "PASS",
+     "on both models"),
     (is_hidden_matrix, "FAIL", "the package's own is_hidden_matrix"),
-    (lambda n, p: p.ndim == 2, "FAIL", "embedding"),
-    (lambda n, p: p.ndim == 2 and "embedding" not in n, "FAIL", "lm_head"),
+    (lambda n, p: n.endswith("_proj.weight"), "FAIL", "on EncoderLM: encoder.layers.0.linear1.weight (and 5 more) "
+                                                       "is a hidden matrix"),
+    (lambda n, p: "proj" in n and p.ndim == 2, "FAIL", "on EncoderLM: encoder.layers.0.linear1.weight"),
+    (lambda n, p: p.ndim == 2, "FAIL", "on GPT: you selected pos_embedding.weight, an embedding table"),
+    (lambda n, p: p.ndim == 2 and "embedding" not in n, "FAIL", "on GPT: you selected lm_head.weight"),
+    (lambda n, p: p.ndim == 2 and "embedding" not in n and "lm_head" not in n, "FAIL",
+     "on EncoderLM: you selected embed.weight"),
     (lambda n, p: "proj" in n, "FAIL", "1-D"),
     (lambda n, p: "mlp" in n and p.ndim == 2, "FAIL", "not selected"),
 ])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmuon_edu import accumulation
-from dmuon_edu.course import gpt, pitfalls
+from dmuon_edu.course import gpt
 from dmuon_edu.course.checks import RESULT_LINE, check, run_check
 
 
@@ -310,36 +310,82 @@ def test_accumulation_windows_verdicts(candidate, status, hint):
     assert result.status == status and hint in result.message, str(result)
 
 
-def token_loss_correct(logits, targets):
+def z_loss_by_cross_entropy(logits, targets, z_weight):
+    real = targets != -100
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss + z_weight * (logits.logsumexp(-1)[real] ** 2).sum(), int(real.sum())
+
+
+def z_loss_by_log_softmax(logits, targets, z_weight):
+    # the other honest answer: per position, masked by multiplying
+    real = (targets != -100).float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return ((-picked + z_weight * log_z.pow(2)) * real).sum(), int(real.sum().item())
+
+
+def z_loss_unmasked(logits, targets, z_weight):
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss + z_weight * (logits.logsumexp(-1) ** 2).sum(), int((targets >= 0).sum())
+
+
+def z_loss_averaged(logits, targets, z_weight):
+    real = targets != -100
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss + z_weight * (logits.logsumexp(-1)[real] ** 2).mean(), int(real.sum())
+
+
+def z_loss_forgotten(logits, targets, z_weight):
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     return loss, int((targets >= 0).sum())
 
 
-def token_loss_mean(logits, targets):
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    return loss, int((targets >= 0).sum())
-
-
-def token_loss_counting_padding(logits, targets):
+def z_loss_not_squared(logits, targets, z_weight):
+    real = targets != -100
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    return loss, targets.numel()
+    return loss + z_weight * logits.logsumexp(-1)[real].sum(), int(real.sum())
 
 
-def token_loss_not_a_pair(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+def z_loss_mean(logits, targets, z_weight):
+    total, count = z_loss_by_cross_entropy(logits, targets, z_weight)
+    return total / count, count
+
+
+def z_loss_counting_padding(logits, targets, z_weight):
+    return z_loss_by_cross_entropy(logits, targets, z_weight)[0], targets.numel()
+
+
+def z_loss_detached(logits, targets, z_weight):
+    total, count = z_loss_by_cross_entropy(logits, targets, z_weight)
+    return torch.tensor(total.item()), count
+
+
+def z_loss_not_a_pair(logits, targets, z_weight):
+    return z_loss_by_cross_entropy(logits, targets, z_weight)[0]
+
+
+def z_loss_for_one_weight(logits, targets, z_weight):
+    return z_loss_by_cross_entropy(logits, targets, 0.1)  # right only at the first weight
 
 
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
-        (token_loss_correct, "PASS", "summed loss over real tokens"),
-        (token_loss_mean, "FAIL", "that is the mean over tokens"),
-        (token_loss_counting_padding, "FAIL", "count includes padding"),
-        (token_loss_not_a_pair, "FAIL", "return a pair"),
+        (z_loss_by_cross_entropy, "PASS", "z-loss included"),
+        (z_loss_by_log_softmax, "PASS", "z-loss included"),
+        (z_loss_unmasked, "FAIL", "ignore_index masks only F.cross_entropy's own term"),
+        (z_loss_averaged, "FAIL", "averaged within the micro-batch"),
+        (z_loss_forgotten, "FAIL", "z-loss term is missing"),
+        (z_loss_not_squared, "FAIL", "not w log Z"),
+        (z_loss_mean, "FAIL", "that is the mean over tokens"),
+        (z_loss_counting_padding, "FAIL", "count includes padding"),
+        (z_loss_detached, "FAIL", "left the graph"),
+        (z_loss_not_a_pair, "FAIL", "return a pair"),
+        (z_loss_for_one_weight, "FAIL", "with z_weight 0.0001"),
     ],
 )
-def test_summed_token_loss_verdicts(candidate, status, hint):
-    result = run_check("summed_token_loss", candidate)
+def test_summed_token_loss_with_z_verdicts(candidate, status, hint):
+    result = run_check("summed_token_loss_with_z", candidate)
     assert result.status == status and hint in result.message, str(result)
 
 
@@ -478,58 +524,80 @@ def _orthogonalise(U):
     return newton_schulz(U, dtype=torch.float32)
 
 
-def muon_step_correct(W, G, B, lr, momentum=0.95, nesterov=True):
+def muon_conv_step_flatten(W, G, B, lr, momentum=0.95, nesterov=True):
     B = B.mul(momentum).add(G)
-    update = G.add(B, alpha=momentum) if nesterov else B
-    m, n = W.shape
-    return W - lr * (max(m, n) / n) ** 0.5 * _orthogonalise(update), B
+    update = (G.add(B, alpha=momentum) if nesterov else B).flatten(1)
+    m, n = update.shape
+    return W - lr * (max(m, n) / n) ** 0.5 * _orthogonalise(update).view_as(W), B
 
 
-def muon_step_ema(W, G, B, lr, momentum=0.95, nesterov=True):
-    """torch.optim.Muon's convention: an EMA buffer; the same update after normalisation."""
+def muon_conv_step_ema_reshape(W, G, B, lr, momentum=0.95, nesterov=True):
+    """torch.optim.Muon's convention (an EMA buffer, the same update after normalisation), with reshape."""
     B = B.lerp(G, 1 - momentum)
-    update = G.lerp(B, momentum) if nesterov else B
-    m, n = W.shape
-    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(update), B
+    update = (G.lerp(B, momentum) if nesterov else B).reshape(len(W), -1)
+    m, n = update.shape
+    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(update).reshape(W.shape), B
 
 
-def muon_step_no_nesterov(W, G, B, lr, momentum=0.95, nesterov=True):
+def _conv_step(W, G, B, lr, momentum, matrix_of, factor, look_ahead=lambda G, B, mu: G + mu * B,
+               orthogonalise=True):
     B = momentum * B + G
-    m, n = W.shape
-    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(B), B
+    update = matrix_of(look_ahead(G, B, momentum))
+    return W - lr * factor * (_orthogonalise(update) if orthogonalise else update).reshape(W.shape), B
 
 
-def muon_step_no_shape_factor(W, G, B, lr, momentum=0.95, nesterov=True):
+def muon_conv_step_per_kernel(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.reshape(-1, *W.shape[2:]), 1.0)
+
+
+def muon_conv_step_factor_of_the_4d_shape(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.flatten(1), max(1, W.shape[0] / W.shape[1]) ** 0.5)
+
+
+def muon_conv_step_no_shape_factor(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.flatten(1), 1.0)
+
+
+def muon_conv_step_no_nesterov(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.flatten(1), 2**0.5, look_ahead=lambda G, B, mu: B)
+
+
+def muon_conv_step_swapped_look_ahead(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.flatten(1), 2**0.5,
+                      look_ahead=lambda G, B, mu: B + mu * G if nesterov else B)
+
+
+def muon_conv_step_not_orthogonalised(W, G, B, lr, momentum=0.95, nesterov=True):
+    return _conv_step(W, G, B, lr, momentum, lambda U: U.flatten(1), 2**0.5, orthogonalise=False)
+
+
+def muon_conv_step_on_the_4d_tensor(W, G, B, lr, momentum=0.95, nesterov=True):
     B = momentum * B + G
-    return W - lr * _orthogonalise(G + momentum * B if nesterov else B), B
+    return W - lr * _orthogonalise(G + momentum * B), B
 
 
-def muon_step_not_orthogonalised(W, G, B, lr, momentum=0.95, nesterov=True):
+def muon_conv_step_left_flat(W, G, B, lr, momentum=0.95, nesterov=True):
     B = momentum * B + G
-    m, n = W.shape
-    return W - lr * max(1, m / n) ** 0.5 * (G + momentum * B if nesterov else B), B
-
-
-def muon_step_swapped_look_ahead(W, G, B, lr, momentum=0.95, nesterov=True):
-    B = momentum * B + G
-    m, n = W.shape
-    return W - lr * max(1, m / n) ** 0.5 * _orthogonalise(B + momentum * G if nesterov else B), B
+    return W.flatten(1) - lr * 2**0.5 * _orthogonalise((G + momentum * B).flatten(1)), B
 
 
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
-        (muon_step_correct, "PASS", "momentum, Nesterov"),
-        (muon_step_ema, "PASS", "momentum, Nesterov"),
-        (muon_step_no_nesterov, "FAIL", "without Nesterov"),
-        (muon_step_no_shape_factor, "FAIL", "the shape factor is sqrt(max(1, m / n))"),
-        (muon_step_not_orthogonalised, "FAIL", "the update is not orthogonalised"),
-        (muon_step_swapped_look_ahead, "FAIL", "the look-ahead is swapped"),
-        (pitfalls.colleague_muon_step, "FAIL", "your colleague's step, both of its mistakes"),
+        (muon_conv_step_flatten, "PASS", "one row of a (16, 8) matrix"),
+        (muon_conv_step_ema_reshape, "PASS", "one row of a (16, 8) matrix"),
+        (muon_conv_step_per_kernel, "FAIL", "kh x kw kernel as a matrix of its own"),
+        (muon_conv_step_factor_of_the_4d_shape, "FAIL", "out / in of the 4-D shape, 16 / 2, gives sqrt(8)"),
+        (muon_conv_step_no_shape_factor, "FAIL", "sqrt(2), is missing"),
+        (muon_conv_step_no_nesterov, "FAIL", "without Nesterov"),
+        (muon_conv_step_swapped_look_ahead, "FAIL", "the look-ahead is swapped"),
+        (muon_conv_step_not_orthogonalised, "FAIL", "the update is not orthogonalised"),
+        (muon_conv_step_on_the_4d_tensor, "FAIL", "reshape to 2-D first"),
+        (muon_conv_step_left_flat, "FAIL", "reshape the update back"),
     ],
 )
-def test_muon_step_verdicts(candidate, status, hint):
-    result = run_check("muon_step", candidate)
+def test_muon_conv_step_verdicts(candidate, status, hint):
+    result = run_check("muon_conv_step", candidate)
     assert result.status == status and hint in result.message, str(result)
 
 
@@ -698,7 +766,6 @@ def test_every_named_floor_mistake_has_its_own_hint():
 @pytest.mark.parametrize("exercise, function, hint", [
     ("train_step_with_accumulation", accumulation.train_step_with_accumulation, "the package's own"),
     ("accumulation_windows", accumulation.accumulation_windows, "the package's own"),
-    ("summed_token_loss", accumulation.summed_token_loss, "the package's own"),
     ("train_epoch", accumulation.train, "the package's own"),
     ("is_hidden_matrix", gpt.is_hidden_matrix, "the package's own is_hidden_matrix"),
 ])

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dmuon_edu
 from dmuon_edu import train_step_with_accumulation
 from dmuon_edu.course import pitfalls
 from dmuon_edu.course.checks import run_check
@@ -286,25 +287,82 @@ def test_window_check_names_each_bug(candidate, status, hint):
     assert re.search(hint, result.message), str(result)
 
 
+def second_step_expanded(g1, g2, momentum):
+    return g2 + (1 - momentum**2) * g1
+
+
+def second_step_simulated(g1, g2, momentum):
+    # the other honest answer: run the two lines on a copy of .grad
+    grad, buffer = g1.clone(), torch.zeros_like(g1)
+    buffer.lerp_(grad, 1 - momentum)
+    grad.lerp_(buffer, momentum)
+    return grad + g2
+
+
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
-        (learner_correct, "PASS", "full-batch gradient"),
-        (learner_no_scaling, "FAIL", "Muon hides it"),
-        (learner_zero_grad_in_loop, "FAIL", "zero_grad\\(\\) runs inside the micro-batch loop"),
-        (learner_never_zeroes, "FAIL", "Nesterov blend.*momentum is counted twice"),
-        (learner_zero_grad_before_step, "FAIL", "zero_grad\\(\\) runs after the backward passes"),
-        (learner_steps_every_microbatch, "FAIL", "next micro-batch added onto the blend"),
+        (second_step_expanded, "PASS", "found in .grad, measured"),
+        (second_step_simulated, "PASS", "found in .grad, measured"),
+        (lambda g1, g2, mu: g2, "FAIL", "cleared every window"),
+        (lambda g1, g2, mu: g1 + g2, "FAIL", "never writes .grad"),
+        (lambda g1, g2, mu: g2 + (1 - mu) * g1, "FAIL", "is the buffer B after the first step"),
+        (lambda g1, g2, mu: g2 + mu * g1, "FAIL", "B = \\(1 - momentum\\) g1 after the first step: expand it"),
+        (lambda g1, g2, mu: g2 + 0.0975 * g1, "FAIL", "momentum 0.5, off by"),  # worked out for 0.95 only
+        (lambda g1, g2, mu: g2 - (1 - mu**2) * g1, "FAIL", "follow the two lines"),
+        (lambda g1, g2, mu: float(g2.sum()), "FAIL", "return a tensor shaped like g1"),
     ],
-    ids=lambda x: getattr(x, "__name__", None),
+    ids=["expanded", "simulated", "cleared", "never_written", "buffer", "momentum_times_g1", "one_momentum",
+         "sign", "a_number"],
 )
-def test_muon_check_names_each_bug_with_what_the_blend_does(candidate, status, hint):
-    result = run_check("muon_accumulate_window", candidate)
+def test_second_step_check_names_each_wrong_blend(candidate, status, hint):
+    result = run_check("second_step_gradient", candidate)
     assert result.status == status, str(result)
     assert re.search(hint, result.message), str(result)
 
 
-def learner_epoch_correct(model, optimizer, batches, loss_fn, accum_steps):
+def learner_epoch_rescales_the_short_window(model, optimizer, batches, loss_fn, accum_steps):
+    optimizer.zero_grad()
+    in_window = 0
+    for x, y in batches:
+        (loss_fn(model(x), y) / accum_steps).backward()
+        in_window += 1
+        if in_window == accum_steps:
+            optimizer.step()
+            optimizer.zero_grad()
+            in_window = 0
+    if in_window:
+        for p in model.parameters():
+            p.grad *= accum_steps / in_window
+        optimizer.step()
+
+
+def learner_epoch_divides_gradients_at_each_step(model, optimizer, batches, loss_fn, accum_steps):
+    # the other honest answer: undivided losses, the gradient divided by the window's own count before each step
+    def step(count):
+        for p in model.parameters():
+            p.grad /= count
+        optimizer.step()
+        optimizer.zero_grad()
+
+    count = 0
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        count += 1
+        if count == accum_steps:
+            step(count)
+            count = 0
+    if count:
+        step(count)
+
+
+def learner_epoch_gathers_each_window(model, optimizer, batches, loss_fn, accum_steps):
+    # section 3's correct_epoch, transcribed: right on a list, two batches held at once from a loader
+    for window in dmuon_edu.accumulation_windows(batches, accum_steps):
+        dmuon_edu.train_step_with_accumulation(model, optimizer, window, loss_fn)
+
+
+def learner_epoch_slices(model, optimizer, batches, loss_fn, accum_steps):
     for start in range(0, len(batches), accum_steps):
         window = batches[start:start + accum_steps]
         optimizer.zero_grad()
@@ -323,28 +381,59 @@ def learner_epoch_drops_leftover(model, optimizer, batches, loss_fn, accum_steps
 
 
 def learner_epoch_underweights_leftover(model, optimizer, batches, loss_fn, accum_steps):
-    for i, (x, y) in enumerate(batches):
-        if i % accum_steps == 0:
+    in_window = 0
+    for x, y in batches:
+        if in_window == 0:
             optimizer.zero_grad()
         (loss_fn(model(x), y) / accum_steps).backward()
-        if (i + 1) % accum_steps == 0 or i == len(batches) - 1:
+        in_window += 1
+        if in_window == accum_steps:
             optimizer.step()
+            in_window = 0
+    if in_window:
+        optimizer.step()
+
+
+def learner_epoch_rescales_by_the_inverse(model, optimizer, batches, loss_fn, accum_steps):
+    optimizer.zero_grad()
+    in_window = 0
+    for x, y in batches:
+        (loss_fn(model(x), y) / accum_steps).backward()
+        in_window += 1
+        if in_window == accum_steps:
+            optimizer.step()
+            optimizer.zero_grad()
+            in_window = 0
+    if in_window:
+        for p in model.parameters():
+            p.grad *= in_window / accum_steps  # r / N where N / r was due
+        optimizer.step()
 
 
 def learner_epoch_zero_grad_every_batch(model, optimizer, batches, loss_fn, accum_steps):
-    for i, (x, y) in enumerate(batches):
+    in_window = 0
+    for x, y in batches:
         optimizer.zero_grad()
         (loss_fn(model(x), y) / accum_steps).backward()
-        if (i + 1) % accum_steps == 0 or i == len(batches) - 1:
+        in_window += 1
+        if in_window == accum_steps:
             optimizer.step()
+            in_window = 0
+    if in_window:
+        optimizer.step()
 
 
 @pytest.mark.parametrize(
     "candidate, status, hint",
     [
-        (learner_epoch_correct, "PASS", "short last one included"),
+        (learner_epoch_rescales_the_short_window, "PASS", "short last one included.*one batch at a time"),
+        (learner_epoch_divides_gradients_at_each_step, "PASS", "short last one included"),
+        (learner_epoch_gathers_each_window, "FAIL", "read batch 2 of the epoch before batch 1's backward"),
+        (learner_epoch_slices, "FAIL", r"no len\(\)"),
         (learner_epoch_drops_leftover, "FAIL", "last, short window was never applied"),
-        (learner_epoch_underweights_leftover, "FAIL", "weight r / accum_steps"),
+        (learner_epoch_underweights_leftover, "FAIL", "weight r / accum_steps.*multiply its gradient by "
+                                                      "accum_steps / r"),
+        (learner_epoch_rescales_by_the_inverse, "FAIL", "differ from the full-batch gradients"),
         (learner_epoch_zero_grad_every_batch, "FAIL", "differ from the full-batch gradients"),
     ],
     ids=lambda x: getattr(x, "__name__", None),
@@ -419,8 +508,6 @@ def test_lr_check_names_the_wrong_derivation_and_its_cost(candidate, status, hin
         ("accumulate_window", pitfalls.never_zero_grad),
         ("accumulate_window", pitfalls.zero_grad_between_backward_and_step),
         ("accumulate_window", pitfalls.step_every_microbatch),
-        ("muon_accumulate_window", pitfalls.never_zero_grad),
-        ("muon_accumulate_window", pitfalls.step_every_microbatch),
         ("train_epoch", pitfalls.drop_leftover_window),
         ("train_epoch", pitfalls.underweight_leftover_window),
     ],

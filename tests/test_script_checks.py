@@ -68,15 +68,21 @@ EXPECTED = {
     "no_sync_reduces_every_micro_batch": ["Z3, no_sync: reduce / P_M 1, not 4", "reduces the sum once"],
     "wire_bytes_predicted": ["every prediction is 0.5x the count", "whole tensor once on every rank"],
     "resume_model_only": ["the momentum (off by up to", "and the AdamW state (off by up to", "did not come back",
-                          "dmuon.set_optimizer_state_dict hands it to the run", "step 3 is"],
+                          "dmuon.set_optimizer_state_dict hands it to the run", "its next steps are up to"],
     "resume_optimizer_only": ["the weights (off by up to", "did not come back", "dmuon.set_model_state_dict",
-                              "step 3 is"],
+                              "its next steps are up to"],
     "loaded_but_not_handed_back": ["the weights (off by up to", "the momentum (off by up to",
                                    "checkpoint.load only fills the dictionary"],
-    "resume_newest_folder": ["resume read step-3, whose save was cut short", "the newest checkpoint that verifies"],
+    "resume_newest_folder": ["resume read step-4, whose save was cut short", "the newest checkpoint that verifies"],
     "resume_first_checkpoint": ["an older checkpoint (step 1)", "checkpoint.latest(root)"],
-    "resume_unmarked_folder": ["resume read step-3, whose save was cut short (it has no COMPLETE marker",
+    "resume_unmarked_folder": ["resume read step-4, whose save was cut short (it has no COMPLETE marker",
                                "checkpoint.latest(root) and checkpoint.load do"],
+    "resume_newest_marked_folder": ["resume read step-3, whose files differ from their checksums",
+                                    "checkpoint.latest(root)"],
+    "resume_damaged_unverified": ["resume read step-3 with torch.distributed.checkpoint",
+                                  "checkpoint.latest(root) passes over it", "its next steps are up to"],
+    "resume_counting_the_saves": ["resume restored step 2's state but returned 3", "window 3 is due",
+                                  "its next steps are up to"],
     "token_mean_per_micro_batch": ["of its norm away", "the 2024 transformers bug", "all_reduce ran 1 time"],
     "token_local_count": ["each rank divided by its own token count", "all_reduce the count"],
     "token_average_not_undone": ["0.50x its norm", "multiply each loss by dist.get_world_size()"],
@@ -94,7 +100,8 @@ EXPECTED = {
 }
 
 # Honest alternatives to a script's answer, which its check must PASS.
-HONEST = {"packed_per_owner"}  # 06_reduce_broadcast: one reduce and one broadcast per owner, as dmuon packs them
+HONEST = {"packed_per_owner",  # 06_reduce_broadcast: one reduce and one broadcast per owner, as dmuon packs them
+          "resume_step_from_adamw_state"}  # 06_save_and_resume: the step AdamW's restored state counts
 
 
 SCRIPTS = sorted(notebooks.SOLUTION_SCRIPTS.glob("*.py"))

@@ -23,7 +23,7 @@ from torch import nn
 
 from dmuon_edu.accumulation import IGNORE_INDEX
 
-__all__ = ["GPTConfig", "GPT", "LMOutput", "is_hidden_matrix"]
+__all__ = ["GPTConfig", "GPT", "LMOutput", "is_hidden_matrix", "EncoderLM"]
 
 
 def is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
@@ -124,3 +124,20 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+
+
+class EncoderLM(nn.Module):
+    """A language model built from torch's ``nn.TransformerEncoderLayer``: its names follow torch's conventions
+    (``self_attn.in_proj_weight``, ``linear1``, ``norm1``, ``embed``, ``head``), not the accumulation guide's, so a
+    predicate that picks Muon's matrices by the ``*_proj`` naming fails on it (module 7's exercise)."""
+
+    def __init__(self, vocab_size: int = 8, d_model: int = 8, n_layer: int = 2, n_head: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_head, dim_feedforward=4 * d_model, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        return self.head(self.encoder(self.embed(idx), mask=mask, is_causal=True))

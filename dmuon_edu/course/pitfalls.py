@@ -189,11 +189,17 @@ def underweight_leftover_window(model, optimizer, batches, loss_fn, accum_steps)
     what Accelerate and Lightning do.
     """
     optimizer.zero_grad()
-    for i, (inputs, targets) in enumerate(batches):
+    in_window = 0
+    for inputs, targets in batches:
         (loss_fn(model(inputs), targets) / accum_steps).backward()
-        if (i + 1) % accum_steps == 0 or i + 1 == len(batches):
+        in_window += 1
+        if in_window == accum_steps:
             optimizer.step()
             optimizer.zero_grad()
+            in_window = 0
+    if in_window:  # the last window, short
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def step_gradient_norms(step_fn: Callable, model, optimizer, windows, loss_fn) -> list[float]:

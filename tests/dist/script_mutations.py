@@ -224,20 +224,27 @@ def _sharded(model, optimizer, parts=("model", "optim")):
     return {part: state[part]() for part in parts}
 
 
+def _step_of(path):
+    return int(Path(path).name.removeprefix("step-"))
+
+
 def resume_model_only(model, optimizer, root):
     state = _sharded(model, optimizer, ("model",))
     checkpoint.load(state, checkpoint.latest(root))
     dmuon.set_model_state_dict(model, state["model"])
+    return _step_of(checkpoint.latest(root))
 
 
 def resume_optimizer_only(model, optimizer, root):
     state = _sharded(model, optimizer, ("optim",))
     checkpoint.load(state, checkpoint.latest(root))
     dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    return _step_of(checkpoint.latest(root))
 
 
 def loaded_but_not_handed_back(model, optimizer, root):
     checkpoint.load(_sharded(model, optimizer), checkpoint.latest(root))
+    return _step_of(checkpoint.latest(root))
 
 
 def _resume_from(model, optimizer, path):
@@ -245,10 +252,11 @@ def _resume_from(model, optimizer, path):
     checkpoint.load(state, path)
     dmuon.set_model_state_dict(model, state["model"])
     dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    return _step_of(path)
 
 
 def resume_newest_folder(model, optimizer, root):
-    _resume_from(model, optimizer, max(Path(root).iterdir()))  # step-3: its save was cut short
+    return _resume_from(model, optimizer, max(Path(root).iterdir()))  # step-4: its save was cut short
 
 
 def resume_unmarked_folder(model, optimizer, root):
@@ -257,10 +265,38 @@ def resume_unmarked_folder(model, optimizer, root):
     dcp.load(state, checkpoint_id=max(Path(root).iterdir()))
     dmuon.set_model_state_dict(model, state["model"])
     dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    return 4
 
 
 def resume_first_checkpoint(model, optimizer, root):
-    _resume_from(model, optimizer, min(Path(root).iterdir()))  # step-1: complete, but not the newest
+    return _resume_from(model, optimizer, min(Path(root).iterdir()))  # step-1: complete, but not the newest
+
+
+def resume_newest_marked_folder(model, optimizer, root):
+    # the newest folder with a COMPLETE marker, step-3, whose files a storage error changed: checkpoint.load refuses it
+    newest = max(path for path in Path(root).iterdir() if checkpoint.is_complete(path))
+    return _resume_from(model, optimizer, newest)
+
+
+def resume_damaged_unverified(model, optimizer, root):
+    # step-3 again, through torch.distributed.checkpoint, which checks no checksum
+    state = _sharded(model, optimizer)
+    dcp.load(state, checkpoint_id=Path(root) / "step-3")
+    dmuon.set_model_state_dict(model, state["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    return 3
+
+
+def resume_counting_the_saves(model, optimizer, root):
+    _resume_from(model, optimizer, checkpoint.latest(root))
+    return sum(checkpoint.is_complete(path) for path in Path(root).iterdir())  # 3 folders marked COMPLETE
+
+
+def resume_step_from_adamw_state(model, optimizer, root):
+    # an honest alternative: the step the restored AdamW state counts, not the folder's name
+    _resume_from(model, optimizer, checkpoint.latest(root))
+    state = dmuon.get_optimizer_state_dict(model, optimizer, dmuon.StateDictOptions())["state"]
+    return int(next(entry["step"] for entry in state.values() if "step" in entry))
 
 
 # --------------------------------------------------------------- 05_token_weighted_ddp: accumulate_window
@@ -502,6 +538,10 @@ MUTATIONS = [
     ("06_save_and_resume", "resume", resume_newest_folder),
     ("06_save_and_resume", "resume", resume_first_checkpoint),
     ("06_save_and_resume", "resume", resume_unmarked_folder),
+    ("06_save_and_resume", "resume", resume_newest_marked_folder),
+    ("06_save_and_resume", "resume", resume_damaged_unverified),
+    ("06_save_and_resume", "resume", resume_counting_the_saves),
+    ("06_save_and_resume", "resume", resume_step_from_adamw_state),
     ("05_token_weighted_ddp", "accumulate_window", token_mean_per_micro_batch),
     ("05_token_weighted_ddp", "accumulate_window", token_local_count),
     ("05_token_weighted_ddp", "accumulate_window", token_average_not_undone),

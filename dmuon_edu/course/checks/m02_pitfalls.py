@@ -25,11 +25,9 @@ from dmuon_edu.course.checks.problem import Window, regression_model, regression
 
 # Float32 gradients and parameters of size ~0.01-1: correct loops that scale
 # or add in a different order differ by a few ulps (~1e-7). Every bug moves
-# them by more than 1e-3. Newton-Schulz amplifies rounding differences (five
-# polynomial steps with slopes up to ~3), hence the looser parameter
-# tolerance for Muon; its bugs still move parameters by more than 1e-3.
+# them by more than 1e-3.
 GRADIENT_ATOL = 1e-6
-PARAMETER_ATOL = {"sgd": 1e-6, "muon": 1e-5}
+PARAMETER_ATOL = 1e-6
 
 ACCUM_STEPS = 4
 N_WINDOWS = 3
@@ -65,27 +63,6 @@ _WINDOW_MISTAKES = [
     ),
 ]
 
-_MUON_MISTAKES = [
-    (
-        pitfalls.unscaled_loss,
-        _UNSCALED + ". Muon hides it (Newton-Schulz normalises the update), and so does AdamW (m / sqrt(v) "
-        "divides the scale away, all but eps); gradient clipping does not: its threshold sees the N-times gradient",
-    ),
-    (pitfalls.zero_grad_inside_loop, _ZERO_GRAD_INSIDE),
-    (
-        pitfalls.never_zero_grad,
-        "from the second window on, the gradient started from the previous step's Nesterov blend: this Muon "
-        "writes gradient + momentum into .grad, and .grad is never cleared, so momentum is counted twice; call "
-        "optimizer.zero_grad() once at the start of every window",
-    ),
-    (pitfalls.zero_grad_between_backward_and_step, _BETWEEN_BACKWARD_AND_STEP),
-    (
-        pitfalls.step_every_microbatch,
-        "optimizer.step() ran after every micro-batch, and each step wrote its Nesterov blend into .grad, so the "
-        "next micro-batch added onto the blend; step once per window, after the micro-batch loop",
-    ),
-]
-
 _EPOCH_MISTAKES = [
     (
         pitfalls.drop_leftover_window,
@@ -94,8 +71,8 @@ _EPOCH_MISTAKES = [
     ),
     (
         pitfalls.underweight_leftover_window,
-        "the last, short window of r < accum_steps batches was applied with weight r / accum_steps: divide its "
-        "losses by its own number of batches, not by accum_steps",
+        "the last, short window of r < accum_steps batches was applied with weight r / accum_steps: its losses "
+        "went through backward divided by accum_steps, so multiply its gradient by accum_steps / r before the step",
     ),
 ]
 
@@ -107,54 +84,86 @@ class _Record:
     step_gradients: list[torch.Tensor]
     parameters: torch.Tensor
 
-    def matches(self, other: _Record, parameter_atol: float) -> bool:
+    def matches(self, other: _Record) -> bool:
         return (
             len(self.step_gradients) == len(other.step_gradients)
             and all(torch.allclose(a, b, atol=GRADIENT_ATOL, rtol=0) for a, b in zip(self.step_gradients, other.step_gradients))
-            and torch.allclose(self.parameters, other.parameters, atol=parameter_atol, rtol=0)
+            and torch.allclose(self.parameters, other.parameters, atol=PARAMETER_ATOL, rtol=0)
         )
 
 
 def _check_accumulate_window(candidate: Callable) -> tuple[str, str]:
-    return _check_window_loop(candidate, "sgd", _WINDOW_MISTAKES)
-
-
-def _check_muon_accumulate_window(candidate: Callable) -> tuple[str, str]:
-    return _check_window_loop(candidate, "muon", _MUON_MISTAKES)
-
-
-def _check_window_loop(candidate: Callable, optimizer: str, mistakes) -> tuple[str, str]:
     windows = _windows()
 
     def record(loop):
-        return _record(lambda model, opt: [loop(model, opt, window, F.mse_loss) for window in windows], optimizer)
+        return _record(lambda model, opt: [loop(model, opt, window, F.mse_loss) for window in windows])
 
-    verdict = _verdict(record(candidate), record(train_step_with_accumulation), record, mistakes, optimizer, N_WINDOWS)
+    verdict = _verdict(record(candidate), record(train_step_with_accumulation), record, _WINDOW_MISTAKES, N_WINDOWS)
     return verdict or ("PASS", "every window's step saw exactly the full-batch gradient, and the parameters match full-batch steps")
+
+
+class _StreamBroken(Exception):
+    """The learner's loop used the streamed batches as a list: what a streaming loader cannot do."""
+
+
+class _Stream:
+    """An epoch's batches as a streaming loader gives them: read once, in order, with no len() and no indexing,
+    and each batch read only after the one before it went through its backward (one batch held at a time)."""
+
+    def __init__(self, batches, model):
+        self._batches, self._read, self._backwards = iter(batches), 0, 0
+        first = next(model.parameters())
+        first.register_post_accumulate_grad_hook(lambda _p: setattr(self, "_backwards", self._backwards + 1))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._read > self._backwards:
+            raise _StreamBroken(
+                f"your loop read batch {self._read + 1} of the epoch before batch {self._read}'s backward ran: it "
+                "held two batches (or their graphs) at once, as gathering a window first does. Run each batch's "
+                "forward and backward as it comes, and fix the short last window's gradient when the loader ends")
+        batch = next(self._batches)
+        self._read += 1
+        return batch
+
+    def __len__(self):
+        raise _StreamBroken("batches streams from a loader: it has no len(), so you cannot tell in advance that the "
+                            "last window is short. Count the batches of the window as they come, and fix its "
+                            "gradient when the loader ends")
+
+    def __getitem__(self, _index):
+        raise _StreamBroken("batches streams from a loader: it cannot be indexed or sliced; iterate over it once")
 
 
 def _check_train_epoch(candidate: Callable) -> tuple[str, str]:
     batches = [window[0] for window in _windows(n_windows=EPOCH_BATCHES, sizes=[4])]
 
-    def record(loop):
-        return _record(lambda model, opt: loop(model, opt, batches, F.mse_loss, ACCUM_STEPS), "sgd")
+    def record(loop, streamed=False):
+        return _record(lambda model, opt: loop(model, opt, _Stream(batches, model) if streamed else batches,
+                                               F.mse_loss, ACCUM_STEPS))
 
     def correct_epoch(model, optimizer, batches, loss_fn, accum_steps):
         for window in accumulation_windows(batches, accum_steps):
             train_step_with_accumulation(model, optimizer, window, loss_fn)
 
+    try:
+        learner = record(candidate, streamed=True)
+    except _StreamBroken as broken:
+        return "FAIL", str(broken)
     n_steps = len(list(accumulation_windows(batches, ACCUM_STEPS)))
-    verdict = _verdict(record(candidate), record(correct_epoch), record, _EPOCH_MISTAKES, "sgd", n_steps)
-    return verdict or ("PASS", "every window, the short last one included, was applied as one full-batch step")
+    verdict = _verdict(learner, record(correct_epoch), record, _EPOCH_MISTAKES, n_steps)
+    return verdict or ("PASS", "every window, the short last one included, was applied as one full-batch step, "
+                               "from a loader read one batch at a time")
 
 
-def _verdict(learner: _Record, correct: _Record, record, mistakes, optimizer: str, n_steps: int) -> tuple[str, str] | None:
+def _verdict(learner: _Record, correct: _Record, record, mistakes, n_steps: int) -> tuple[str, str] | None:
     """None when the learner's record matches the correct one; else FAIL with the hint of the bug it matches."""
-    atol = PARAMETER_ATOL[optimizer]
-    if learner.matches(correct, atol):
+    if learner.matches(correct):
         return None
     for mistake, hint in mistakes:
-        if learner.matches(record(mistake), atol):
+        if learner.matches(record(mistake)):
             return "FAIL", hint
     calls = len(learner.step_gradients)
     if calls == 0:
@@ -168,13 +177,14 @@ def _verdict(learner: _Record, correct: _Record, record, mistakes, optimizer: st
     )
 
 
-def _record(run: Callable, optimizer: str) -> _Record:
-    """Run ``run(model, optimizer)`` from a fixed start, recording the gradient at every step() call."""
-    model = regression_model(bias=optimizer != "muon")  # Muon takes matrices only
+def _record(run: Callable, momentum: float | None = None) -> _Record:
+    """Run ``run(model, optimizer)`` from a fixed start, recording the gradient at every step() call: with SGD, or
+    with the Muon that writes its blend into .grad at ``momentum``."""
+    model = regression_model(bias=momentum is None)  # Muon takes matrices only
     opt = (
-        pitfalls.GradOverwritingMuon(model.parameters(), lr=0.02, ns_dtype=torch.float32)
-        if optimizer == "muon"
-        else torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if momentum is None
+        else pitfalls.GradOverwritingMuon(model.parameters(), lr=0.02, momentum=momentum, ns_dtype=torch.float32)
     )
     parameters = list(model.parameters())
     step_gradients = []
@@ -259,9 +269,50 @@ def _same_curve(a: list[float], b: list[float]) -> bool:
     return all(abs(x - y) <= LOSS_RTOL * abs(y) for x, y in zip(a, b))
 
 
+# --- second_step_gradient: what a Muon that writes into .grad leaves for the next window ---------
+
+SECOND_STEP_MOMENTA = (0.95, 0.5)  # two momenta, so that a number worked out for one fails
+# What learners answer, and why it is not what the step saw.
+_SECOND_STEP_ANSWERS = [
+    (lambda g1, g2, mu: g2, "that is what the step sees when .grad is cleared every window; here nothing clears it, "
+                            "and the first step left its Nesterov blend in .grad"),
+    (lambda g1, g2, mu: g1 + g2, "that is what a Muon that never writes .grad (dmuon_edu.muon.Muon) would see: "
+                                 "this one replaced g1 in .grad with its blend, lerp(g1, B, momentum)"),
+    (lambda g1, g2, mu: g2 + (1 - mu) * g1, "(1 - momentum) g1 is the buffer B after the first step; .grad holds "
+                                            "the blend, lerp(g1, B, momentum) = g1 + momentum (B - g1)"),
+    (lambda g1, g2, mu: g2 + mu * g1, "the blend is lerp(g1, B, momentum) = g1 + momentum (B - g1), with the buffer "
+                                      "B = (1 - momentum) g1 after the first step: expand it"),
+]
+
+
+def _check_second_step_gradient(candidate: Callable) -> tuple[str, str]:
+    windows = _windows(n_windows=2)
+
+    def step_gradients(loop, momentum):
+        return _record(lambda model, opt: [loop(model, opt, window, F.mse_loss) for window in windows],
+                       momentum).step_gradients
+
+    for momentum in SECOND_STEP_MOMENTA:
+        g1, g2 = step_gradients(train_step_with_accumulation, momentum)  # what a cleared .grad holds
+        seen = step_gradients(pitfalls.never_zero_grad, momentum)[1]
+        answer = candidate(g1.clone(), g2.clone(), momentum)
+        if not isinstance(answer, torch.Tensor) or answer.shape != g1.shape:
+            return "FAIL", f"return a tensor shaped like g1 ({tuple(g1.shape)}), got {answer!r:.80}"
+        if torch.allclose(answer, seen, atol=GRADIENT_ATOL, rtol=0):
+            continue
+        hint = next((hint for formula, hint in _SECOND_STEP_ANSWERS
+                     if torch.allclose(answer, formula(g1, g2, momentum), atol=GRADIENT_ATOL, rtol=0)),
+                    "follow the two lines of the update with B = 0 at the start: B <- lerp(B, g1, 1 - momentum), "
+                    "then .grad <- lerp(g1, B, momentum); the second window's backward adds g2 onto that")
+        off = ((answer - seen).norm() / seen.norm()).item()
+        return "FAIL", f"with momentum {momentum}, off by {off:.0%} of what the step saw: {hint}"
+    return "PASS", (f"for momentum {' and '.join(map(str, SECOND_STEP_MOMENTA))} your gradient is the one the second "
+                    "step found in .grad, measured")
+
+
 EXERCISES = {
     "accumulate_window": _check_accumulate_window,
     "train_epoch": _check_train_epoch,
-    "muon_accumulate_window": _check_muon_accumulate_window,
+    "second_step_gradient": _check_second_step_gradient,
     "scaled_loss_lr": _check_scaled_loss_lr,
 }

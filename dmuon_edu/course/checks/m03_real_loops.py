@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
+from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows
 from dmuon_edu.course.data import MarkovSource, lm_batch
 from dmuon_edu.course.threads import one_thread
 
@@ -70,28 +70,75 @@ def _check_windows_of_a_stream(candidate: Callable) -> tuple[str, str]:
 _TEN_IN_FOURS = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
-def _check_summed_token_loss(candidate: Callable) -> tuple[str, str]:
+# Two z-loss weights: a large one where every mistake shows by far, and PaLM's 1e-4.
+Z_WEIGHTS = (0.1, 1e-4)
+# Sums of ~20 float32 terms of order 1-10, added in another order by an honest answer: ~1e-6 relative. The
+# smallest mistake (PaLM's weight on padding's z-term) moves the sum by more than 1e-4 relative.
+SUM_RTOL = 1e-5
+
+
+def _z_loss_problem():
+    """Logits with real and padded positions: two sequences padded after 3 and 1 tokens, one not padded."""
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 7, generator=generator)
+    logits = (3 * torch.randn(3, 5, 7, generator=generator)).requires_grad_()
     targets = torch.randint(0, 7, (3, 5), generator=generator)
     targets[0, 3:] = IGNORE_INDEX
     targets[2, 1:] = IGNORE_INDEX
-    expected_sum, expected_count = summed_token_loss(logits, targets)
-    result = candidate(logits, targets)
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        return "FAIL", "return a pair: (the summed loss tensor, the number of non-padding tokens)"
-    loss_sum, count = result
-    if int(count) == targets.numel():
-        return "FAIL", "the count includes padding: count only targets != IGNORE_INDEX"
-    if int(count) != expected_count:
-        return "FAIL", f"the count should be the number of non-padding targets, {expected_count}, got {int(count)}"
-    if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
-        return "FAIL", "the summed loss must be a scalar tensor (so that it can be backpropagated)"
-    if torch.allclose(loss_sum, expected_sum / expected_count):
-        return "FAIL", "that is the mean over tokens; return the sum (reduction='sum'), so windows can divide by their total"
-    if not torch.allclose(loss_sum, expected_sum):
-        return "FAIL", f"the summed loss should be {expected_sum.item():.4f}, got {loss_sum.item():.4f}; ignore padding (ignore_index)"
-    return "PASS", "the summed loss over real tokens, and their count"
+    return logits, targets
+
+
+def _z_loss_terms(logits, targets):
+    """(cross-entropy per position, 0 at padding; (log Z)^2 per position; real positions): computed here, apart
+    from any function of the package."""
+    log_z = logits.logsumexp(-1)
+    real = targets != IGNORE_INDEX
+    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(real, log_z - picked, 0.0), log_z**2, real
+
+
+# Learners' answers, right count and wrong sum, and what each did.
+_Z_LOSS_SUMS = [
+    (lambda ce, z2, real, w: ce.sum() + w * z2.sum(),
+     "the z-term of the padding positions entered the sum: ignore_index masks only F.cross_entropy's own term; "
+     "sum w (log Z)^2 over the positions where targets != IGNORE_INDEX"),
+    (lambda ce, z2, real, w: ce.sum() + w * z2[real].mean(),
+     "the z-term was averaged within the micro-batch while the cross-entropy was summed: the window divides every "
+     "term by its total count, so sum both"),
+    (lambda ce, z2, real, w: ce.sum(), "the z-loss term is missing: add w (log Z)^2 for every real position"),
+    (lambda ce, z2, real, w: ce.sum() + w * z2[real].sqrt().sum(),
+     "the z-term is w (log Z)^2, the square of logsumexp over the vocabulary, not w log Z"),
+]
+
+
+def _check_summed_token_loss_with_z(candidate: Callable) -> tuple[str, str]:
+    for z_weight in Z_WEIGHTS:
+        logits, targets = _z_loss_problem()
+        ce, z2, real = _z_loss_terms(logits, targets)
+        count = int(real.sum())
+        expected = (ce + z_weight * z2)[real].sum()
+        result = candidate(logits, targets, z_weight)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            return "FAIL", "return a pair: (the loss summed over real tokens, the number of real tokens)"
+        loss_sum, their_count = result
+        if int(their_count) == targets.numel():
+            return "FAIL", "the count includes padding: count only targets != IGNORE_INDEX"
+        if int(their_count) != count:
+            return "FAIL", f"the count should be the number of real (non-padding) targets, {count}, got {int(their_count)}"
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+            return "FAIL", "the summed loss must be a scalar tensor (so that it can be backpropagated)"
+        if not loss_sum.requires_grad:
+            return "FAIL", "the summed loss left the graph (an .item(), a detach or a no_grad): backward needs it"
+        if torch.allclose(loss_sum, expected, rtol=SUM_RTOL, atol=0):
+            continue
+        if torch.allclose(loss_sum, expected / count, rtol=SUM_RTOL, atol=0):
+            return "FAIL", "that is the mean over tokens; return the sum, so that the window can divide by its total"
+        hint = next((hint for wrong, hint in _Z_LOSS_SUMS
+                     if torch.allclose(loss_sum, wrong(ce, z2, real, z_weight), rtol=SUM_RTOL, atol=0)),
+                    "sum cross-entropy + w (log Z)^2 over the real positions only")
+        return "FAIL", (f"with z_weight {z_weight:g} the summed loss should be {expected.item():.6g}, got "
+                        f"{loss_sum.item():.6g}: {hint}")
+    return "PASS", (f"the loss summed over real tokens, z-loss included, and their count, at z_weight "
+                    f"{' and '.join(f'{w:g}' for w in Z_WEIGHTS)}")
 
 
 # Sequence lengths per micro-batch, chosen so that every weighting below gives other weights:
@@ -194,5 +241,5 @@ def _check_mean_loss_weights(candidate: Callable) -> tuple[str, str]:
 EXERCISES = {
     "accumulation_windows": _check_windows,
     "mean_loss_weights": _check_mean_loss_weights,
-    "summed_token_loss": _check_summed_token_loss,
+    "summed_token_loss_with_z": _check_summed_token_loss_with_z,
 }

@@ -1,4 +1,4 @@
-"""Checks for module 4: the Newton-Schulz step, a coefficient design, and the Muon step."""
+"""Checks for module 4: the Newton-Schulz step, a coefficient design, and the Muon step on conv filters."""
 
 from __future__ import annotations
 
@@ -74,74 +74,92 @@ def _check_ns_step_cost(candidate: Callable) -> tuple[str, str]:
                     f"{ratio:.1f}x the flops of the cheapest grouping")
 
 
+# A conv layer's filters, (out, in, kh, kw): as a matrix of rows per output channel, (16, 8), tall, so the shape
+# factor sqrt(2) matters; as matrices per (out, in) kernel, (32, 4), another Newton-Schulz and factor sqrt(8).
+CONV_SHAPE = (16, 2, 2, 2)
+
+
 def _reference_muon(W, G_steps, lr, momentum, nesterov):
-    W = torch.nn.Parameter(W.clone())
-    optimizer = Muon([W], lr=lr, momentum=momentum, nesterov=nesterov, ns_dtype=torch.float32)
+    """dmuon_edu.Muon on the filters as the matrix (out, in * kh * kw), Keller Jordan's muon.py's reading of a conv
+    layer; back in W's shape."""
+    matrix = torch.nn.Parameter(W.flatten(1).clone())
+    optimizer = Muon([matrix], lr=lr, momentum=momentum, nesterov=nesterov, ns_dtype=torch.float32)
     for G in G_steps:
-        W.grad = G.clone()
+        matrix.grad = G.flatten(1).clone()
         optimizer.step()
-    return W.detach()
+    return matrix.detach().view(W.shape)
 
 
-def _check_muon_step(candidate: Callable) -> tuple[str, str]:
+def _check_muon_conv_step(candidate: Callable) -> tuple[str, str]:
     generator = torch.Generator().manual_seed(1)
-    W0 = torch.randn(6, 3, generator=generator)  # tall: the shape factor sqrt(6/3) matters
-    G_steps = [torch.randn(6, 3, generator=generator) for _ in range(3)]
+    W0 = torch.randn(*CONV_SHAPE, generator=generator)
+    G_steps = [torch.randn(*CONV_SHAPE, generator=generator) for _ in range(3)]
     lr, momentum = 0.05, 0.9
 
-    def run(step_fn):
+    def run(nesterov):
         W, B = W0.clone(), torch.zeros_like(W0)
         for G in G_steps:
-            W, B = step_fn(W, G.clone(), B, lr, momentum)
+            W, B = candidate(W, G.clone(), B, lr, momentum=momentum, nesterov=nesterov)
         return W
 
-    got = run(lambda W, G, B, lr, mu: candidate(W, G, B, lr, momentum=mu, nesterov=True))
+    got = run(nesterov=True)
     if not isinstance(got, torch.Tensor) or got.shape != W0.shape:
-        return "FAIL", "return (new_weights, new_momentum_buffer), the weights with W's shape"
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return "FAIL", f"return (new_W, new_B) with W's shape {CONV_SHAPE}, got {shape}: reshape the update back"
     expected = _reference_muon(W0, G_steps, lr, momentum, nesterov=True)
     # float32 Newton-Schulz on both sides; the learner may order the arithmetic differently.
     if torch.allclose(got, expected, atol=1e-5, rtol=0):
-        if torch.allclose(
-            run(lambda W, G, B, lr, mu: candidate(W, G, B, lr, momentum=mu, nesterov=False)),
-            _reference_muon(W0, G_steps, lr, momentum, nesterov=False),
-            atol=1e-5,
-            rtol=0,
-        ):
-            return "PASS", "momentum, Nesterov, Newton-Schulz and the shape factor, over three steps"
+        if torch.allclose(run(nesterov=False), _reference_muon(W0, G_steps, lr, momentum, nesterov=False),
+                          atol=1e-5, rtol=0):
+            return "PASS", ("each output channel's filters as one row of a (16, 8) matrix: momentum, Nesterov, "
+                            "Newton-Schulz and the shape factor, over three steps")
         return "FAIL", "with nesterov=False the update is the momentum buffer itself: U = B"
     cost = f"(after three steps the weights are up to {(got - expected).abs().max().item():.2g} off Muon's)"
     for variant, hint in _MUON_MISTAKES.items():
         if torch.allclose(got, _muon_variant(W0, G_steps, lr, momentum, *variant), atol=1e-5, rtol=0):
             return "FAIL", f"{hint} {cost}"
-    return "FAIL", (f"your step is not Muon's {cost}: compare it, line by line, with the contract in "
-                    "help(dmuon_edu.Muon)")
+    return "FAIL", (f"your step is not Muon's on the matrix (out, in * kh * kw) {cost}: compare it, line by line, "
+                    "with the contract in help(dmuon_edu.Muon)")
 
 
 _LOOK_AHEADS = {"nesterov": lambda G, B, mu: G + mu * B, "none": lambda G, B, mu: B,
                 "swapped": lambda G, B, mu: B + mu * G}
-# (look-ahead, shape factor applied, orthogonalised), with nesterov=True: each known mistake's own hint.
+_MATRICES = {"rows per output channel": lambda X: X.flatten(1), "a matrix per kernel": lambda X: X.flatten(0, 1)}
+# (look-ahead, shape factor, orthogonalised, matrix), with nesterov=True: each known mistake's own hint.
 _MUON_MISTAKES = {
-    ("none", True, True): "that is Muon without Nesterov: with nesterov=True the update is U = G + momentum * B",
-    ("swapped", True, True): ("the look-ahead is swapped: Nesterov's U is the gradient plus momentum times the new "
-                              "buffer, G + momentum * B, not B + momentum * G"),
-    ("nesterov", False, True): ("the shape factor is sqrt(max(1, m / n)), sqrt(2) for this tall 6 x 3 W; "
-                                "sqrt(max(1, n / m)), or none, is 1 here"),
-    ("swapped", False, True): "that is your colleague's step, both of its mistakes still in it",
-    ("nesterov", True, False): ("the update is not orthogonalised: O = newton_schulz(U) is what makes it Muon, "
-                                "every direction moved by the same amount"),
+    ("nesterov", "flattened", True, "a matrix per kernel"): (
+        "Newton-Schulz ran on each (out, in) pair's kh x kw kernel as a matrix of its own: orthogonalise the layer's "
+        "map, the (out, in * kh * kw) matrix, one row per output channel (W.flatten(1))"),
+    ("nesterov", "4-D", True, "rows per output channel"): (
+        "the shape factor is sqrt(max(1, m / n)) of the matrix Newton-Schulz ran on, (16, 8): sqrt(2); out / in of the "
+        "4-D shape, 16 / 2, gives sqrt(8)"),
+    ("nesterov", "none", True, "rows per output channel"): (
+        "the shape factor sqrt(max(1, m / n)) of the (16, 8) matrix, sqrt(2), is missing"),
+    ("none", "flattened", True, "rows per output channel"): (
+        "that is Muon without Nesterov: with nesterov=True the update is U = G + momentum * B"),
+    ("swapped", "flattened", True, "rows per output channel"): (
+        "the look-ahead is swapped: Nesterov's U is the gradient plus momentum times the new buffer, "
+        "G + momentum * B, not B + momentum * G"),
+    ("nesterov", "flattened", False, "rows per output channel"): (
+        "the update is not orthogonalised: O = newton_schulz(U) is what makes it Muon, every direction moved by the "
+        "same amount"),
 }
 
 
-def _muon_variant(W0, G_steps, lr, momentum, look_ahead: str, scaled: bool, orthogonalised: bool):
-    """Muon's step with known changes: the look-ahead it uses, whether the shape factor is applied, and
-    whether the update goes through Newton-Schulz."""
+def _muon_variant(W0, G_steps, lr, momentum, look_ahead: str, factor: str, orthogonalised: bool, matrix: str):
+    """Muon's step on conv filters with known changes: the look-ahead, the shape factor (of the flattened matrix, of
+    the 4-D shape's out / in, or none), whether the update goes through Newton-Schulz, and the matrices it sees."""
     W, B = W0.clone(), torch.zeros_like(W0)
-    m, n = W0.shape
+    m, n = W0.flatten(1).shape
+    scale = {"flattened": max(1.0, m / n) ** 0.5, "4-D": max(1.0, W0.shape[0] / W0.shape[1]) ** 0.5,
+             "none": 1.0}[factor]
+    if matrix == "a matrix per kernel":
+        scale = max(1.0, W0.shape[2] / W0.shape[3]) ** 0.5 if factor == "flattened" else scale
     for G in G_steps:
         B = momentum * B + G
-        U = _LOOK_AHEADS[look_ahead](G, B, momentum)
+        U = _MATRICES[matrix](_LOOK_AHEADS[look_ahead](G, B, momentum))
         O = newton_schulz(U, dtype=torch.float32) if orthogonalised else U
-        W = W - lr * (max(1.0, m / n) ** 0.5 if scaled else 1.0) * O
+        W = W - lr * scale * O.reshape(W.shape)
     return W
 
 
@@ -202,5 +220,5 @@ def _check_ns_coefficients(candidate: Callable) -> tuple[str, str]:
 EXERCISES = {
     "ns_step": _check_ns_step,
     "ns_coefficients": _check_ns_coefficients,
-    "muon_step": _check_muon_step,
+    "muon_conv_step": _check_muon_conv_step,
 }

@@ -1,39 +1,64 @@
-"""Checks for module 7: which of the GPT's parameters Muon steps, and the floor of the capstone's text."""
+"""Checks for module 7: which parameters Muon steps, in the GPT and in a torch-built model, and the floor of the
+capstone's text."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+from torch import nn
+
 from dmuon_edu.course.capstone_problem import Capstone
 from dmuon_edu.course.data import MarkovSource, entropy
-from dmuon_edu.course.gpt import GPT, GPTConfig, is_hidden_matrix
+from dmuon_edu.course.gpt import GPT, EncoderLM, GPTConfig, is_hidden_matrix
+
+
+# The feature-to-feature matrices of each model the predicate is tried on, by role: what Muon should step.
+_TORCH_NAMED_MATRICES = ("self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight")
+
+
+def _hidden_matrices(model) -> set[str]:
+    if isinstance(model, GPT):
+        return {name for name, p in model.named_parameters() if is_hidden_matrix(name, p)}
+    return {name for name, _ in model.named_parameters() if name.endswith(_TORCH_NAMED_MATRICES)}
 
 
 def _check_hidden_matrix_predicate(candidate: Callable) -> tuple[str, str]:
     if candidate is is_hidden_matrix:
         return "FAIL", "that is the package's own is_hidden_matrix: decide for yourself which parameters Muon steps"
-    model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=2, n_head=2, d_model=8))
+    for model in (GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=2, n_head=2, d_model=8)), EncoderLM()):
+        verdict = _predicate_verdict(candidate, model)
+        if verdict is not None:
+            return "FAIL", f"on {type(model).__name__}: {verdict}"
+    return "PASS", ("on both models the attention and MLP matrices go to Muon; embeddings, head, norms and biases "
+                    "to AdamW")
+
+
+def _predicate_verdict(candidate: Callable, model) -> str | None:
     named = list(model.named_parameters())
-    expected = {name for name, p in named if is_hidden_matrix(name, p)}
+    expected = _hidden_matrices(model)
     got = {name for name, p in named if candidate(name, p)}
     if got == expected:
-        return "PASS", f"the {len(expected)} attention and MLP matrices go to Muon; embeddings, head, norms and biases to AdamW"
+        return None
     extra, missing = sorted(got - expected), sorted(expected - got)
     params = dict(named)
     if any(params[name].ndim != 2 for name in extra):
         one_d = next(name for name in extra if params[name].ndim != 2)
-        return "FAIL", f"{one_d} is {params[one_d].ndim}-D: Muon orthogonalises matrices only; add `p.ndim == 2`"
-    if any("embedding" in name for name in extra):
-        return "FAIL", ("you selected an embedding table: a token picks one of its rows, it is a lookup, not a "
-                        "feature-to-feature map; keep tok_embedding and pos_embedding on AdamW")
-    if "lm_head.weight" in extra:
-        return "FAIL", ("you selected lm_head.weight: it maps features to token scores, and every peer keeps the "
-                        "output head on AdamW; select only the *_proj matrices")
+        return f"{one_d} is {params[one_d].ndim}-D: Muon orthogonalises matrices only"
+    lookup = next((name for name in extra if isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Embedding)),
+                  None)
+    if lookup is not None:
+        return (f"you selected {lookup}, an embedding table: a token picks one of its rows, a lookup, not a "
+                "feature-to-feature map; it stays on AdamW")
+    head = "lm_head.weight" if isinstance(model, GPT) else "head.weight"
+    if head in extra:
+        return (f"you selected {head}: it maps features to token scores, and every peer keeps the output head on "
+                "AdamW")
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        return "FAIL", f"{missing[0]}{more} is a hidden matrix but was not selected: every *_proj weight is one"
-    return "FAIL", f"{extra[0]} should not be selected"
+        return (f"{missing[0]}{more} is a hidden matrix (it maps features to features) but was not selected: "
+                "decide by what a parameter does, not by one model's names")
+    return f"{extra[0]} should not be selected"
 
 
 def _floor_terms(source: MarkovSource, seq_len: int) -> dict:
