@@ -320,6 +320,7 @@ class Muon(torch.optim.Optimizer):
         self._dmuon.wait_published()
         self._dmuon.release_all()
         if not self._agree_before_step():
+            self._close_step_orders()
             self.skipped_steps += 1
             warnings.warn(
                 "dmuon.Muon skipped this optimizer step on every rank: a gradient holds NaN or Inf. Weights and "
@@ -340,6 +341,7 @@ class Muon(torch.optim.Optimizer):
                 p.grad = None
         tp.apply_updates(self._dmuon, self._lr_and_weight_decay)
         self._dmuon.publish()
+        self._close_step_orders()
         if not self.replicate_async:
             self._dmuon.wait_published()
         self._adamw.step()
@@ -348,6 +350,13 @@ class Muon(torch.optim.Optimizer):
     def _lr_and_weight_decay(self, p: nn.Parameter) -> tuple[float, float]:
         group = next(g for g in self.param_groups[0::2] if any(q is p for q in g["params"]))
         return group["lr"], group["weight_decay"]
+
+    def _close_step_orders(self) -> None:
+        """The step's events agreed on every rank (its all-reduce compared them): each order's list, up to and with the
+        step's own gathers, scatters and post-step broadcasts, is what the next step is compared with. The
+        replicate axis's events (HSDP) and the TP group's follow from the shard axis's: they are checked with them."""
+        for order in self._dmuon.orders:
+            order.step_checked()
 
     def _agree_before_step(self) -> bool:
         """One all-reduce (max) of [any gradient non-finite, FSDP2 gradients changed since the backward, events,
@@ -378,10 +387,8 @@ class Muon(torch.optim.Optimizer):
                     (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
                     + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
                 )
-        # The replicate axis's events (HSDP) and the TP group's (the step's gathers and scatters of the same
-        # matrices on every rank) follow from the shard axis's: they are checked with them.
         for order in state.orders:
-            order.step_checked()
+            order.meetings_passed()
         if bool(agreed[1]) and not state.clipped and agreed[0] == 0:  # a skipped step needs no word on clipping
             warnings.warn(
                 "the other parameters' gradients (in p.grad) were scaled after the backward, but not the dedicated "

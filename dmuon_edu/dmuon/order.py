@@ -133,7 +133,7 @@ class CollectiveOrder:
         self.expected: list[str] = []  # per_step on gloo: the events of the last verified step, in order
         self.this_step: list[str] = []  # ... and those of this step so far (the first STEP_EVENTS_KEPT)
         self.step_events = 0  # events so far in this step
-        self.meetings: list[str] = []  # this step's store keys this rank wrote in meetings (deleted once verified)
+        self.meetings: list[str] = []  # store keys this rank wrote in meetings (deleted once every rank is past them)
 
     @property
     def strict(self) -> bool:
@@ -283,14 +283,18 @@ class CollectiveOrder:
         CRC collisions, 2^-32 per comparison)."""
         return self.issued, self.crc
 
-    def step_checked(self) -> None:
-        """A step's digests agreed on every rank: its events are what the next step is checked against. Every
-        rank is past this step's meetings (it is in the step's all-reduce), so their keys can go."""
-        self.steps += 1
-        self.expected, self.this_step, self.step_events = self.this_step, [], 0
+    def meetings_passed(self) -> None:
+        """Every rank is past the meetings this rank has held so far (it returned from a collective of every rank,
+        the step's all-reduce): their keys can go."""
         for key in self.meetings:
             self.store.delete_key(key)
         self.meetings.clear()
+
+    def step_checked(self) -> None:
+        """A step's digests agreed on every rank: its events, up to the end of its ``step()``, are what the next
+        step is checked against."""
+        self.steps += 1
+        self.expected, self.this_step, self.step_events = self.this_step, [], 0
 
     def compare_logs(self) -> str | None:
         """Publish this rank's recent events in the store, read the other ranks' (each waited for up to LOG_WAIT_S

@@ -1552,6 +1552,15 @@ def check_order_modes(mesh):
     train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), *window(0, rank, world)[::2],
                  use_no_sync=True)
     trips["off"] = model._dmuon.order.round_trips
+    # The DDP backend broadcasts its updates at the end of each step(): those broadcasts belong to the step that
+    # issued them, so the second step is like the first and meets no rank (it met at every event when they
+    # counted as the next step's first).
+    model, opt = build_ddp(mesh)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for step in range(3):
+        before = model._dmuon.order.round_trips
+        train_window(model, opt, sched, *window(step, rank, world)[::2], use_no_sync=True)
+        trips[f"ddp_backend_step_{step}"] = model._dmuon.order.round_trips - before
     report("order_modes", **per_rank_outcomes(outcome), round_trips=trips)
 
 
