@@ -25,7 +25,7 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "solutions" / "02_zero_grad_pitfalls.ipynb"
+NOTEBOOK = ROOT / "solutions" / "02b_unscaled_loss_learning_rate.ipynb"
 CHROMIUM = Path(os.environ.get("DMUON_EDU_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--no-sandbox",  # root in a container: Chromium's sandbox needs user namespaces

@@ -11,7 +11,7 @@ import pytest
 from helpers import processes_running
 from nbformat.v4 import new_code_cell, new_notebook
 
-from dmuon_edu.course import cli, grading, notebooks
+from dmuon_edu.course import cli, grading, notebooks, reading_time
 
 SOLUTION_NOTEBOOKS = sorted(notebooks.SOLUTIONS.glob("*.ipynb"))
 
@@ -83,13 +83,13 @@ def _as_if_built_from_other_solutions(folder, name):
 def test_build_refuses_to_replace_a_changed_file_and_writes_nothing(tmp_path):
     folder, path = _learner_copy(tmp_path)
     path.write_text(path.read_text().replace("NotImplementedError", "print('my work')", 1))
-    (folder / "02_zero_grad_pitfalls.ipynb").unlink()
+    (folder / "02a_zero_grad_pitfalls.ipynb").unlink()
     _as_if_built_from_other_solutions(folder, path.name)
     manifest = (folder / notebooks.MANIFEST).read_text()
     with pytest.raises(notebooks.WorkWouldBeLost, match=rf"(?s){path.name}.*Nothing was written.*restore NAME.*FORCE=1"):
         notebooks.build(into=folder)
     assert "my work" in path.read_text()
-    assert not (folder / "02_zero_grad_pitfalls.ipynb").exists() and (folder / notebooks.MANIFEST).read_text() == manifest
+    assert not (folder / "02a_zero_grad_pitfalls.ipynb").exists() and (folder / notebooks.MANIFEST).read_text() == manifest
     assert not list(folder.glob("*.bak-*"))
 
 
@@ -358,21 +358,24 @@ def test_the_cell_timeout_must_be_positive_and_finite(capsys, timeout):
 # read from the notebook (06a's scripts are named 06_*, not 06a_*). Nothing is executed.
 _M04 = ["04a_newton_schulz", "04b_muon_optimizer"]
 _SCRIPTS_05A = ["05_allreduce_by_hand", "05_ddp_no_sync", "05_fsdp2_accumulation"]
-_SCRIPTS_05B = ["05_bucketed_ddp", "05_zero1_adamw"]
+_SCRIPTS_05B = ["05_bucketed_ddp"]
 _SCRIPTS_06A, _SCRIPTS_06B = ["06_owners_only", "06_reduce_broadcast"], ["06_no_sync_merge", "06_z2_z3_training"]
 _SCRIPTS_06C = ["06_save_and_resume", "06_uneven_windows"]
 SELECTIONS = {
     "01": (["01_loss_scaled_accumulation"], []),
-    "02": (["02_zero_grad_pitfalls"], []),
+    "02": (["02a_zero_grad_pitfalls", "02b_unscaled_loss_learning_rate"], []),
+    "02a": (["02a_zero_grad_pitfalls"], []),
+    "02b": (["02b_unscaled_loss_learning_rate"], []),
     "03": (["03_accumulation_in_real_training"], []),
     "04": (_M04, []),
     "04a": (_M04[:1], []),
     "04b": (_M04[1:], []),
-    "05": (["05a_data_parallel_accumulation", "05b_bucketed_ddp_and_zero1", "05c_token_weighted_ddp"],
-           sorted(_SCRIPTS_05A + _SCRIPTS_05B + ["05_token_weighted_ddp"])),
+    "05": (["05a_data_parallel_accumulation", "05b_bucketed_ddp", "05c_token_weighted_ddp", "05d_zero1_adamw"],
+           sorted(_SCRIPTS_05A + _SCRIPTS_05B + ["05_token_weighted_ddp", "05_zero1_adamw"])),
     "05a": (["05a_data_parallel_accumulation"], _SCRIPTS_05A),
-    "05b": (["05b_bucketed_ddp_and_zero1"], _SCRIPTS_05B),
+    "05b": (["05b_bucketed_ddp"], _SCRIPTS_05B),
     "05c": (["05c_token_weighted_ddp"], ["05_token_weighted_ddp"]),
+    "05d": (["05d_zero1_adamw"], ["05_zero1_adamw"]),
     "06": (["06a_dmuon_owner_ranks", "06b_dmuon_no_sync_z2_z3", "06c_dmuon_uneven_data_and_checkpoints"],
            sorted(_SCRIPTS_06A + _SCRIPTS_06B + _SCRIPTS_06C)),
     "06a": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
@@ -395,3 +398,36 @@ def test_check_without_a_selector_grades_every_notebook_and_every_script():
     picked, scripts = cli.selection(None)
     assert [p.name for p in picked] == sorted(p.name for p in notebooks.NOTEBOOKS.glob("*.ipynb"))
     assert [s.name for s in scripts] == sorted(s.name for s in (notebooks.NOTEBOOKS / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("solution", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_notebook_takes_an_hour_or_so_by_the_estimate_and_says_so(solution):
+    estimate = reading_time.estimate(solution)
+    assert estimate.minutes <= reading_time.MINUTES_CAP, (solution.stem, estimate)
+    assert estimate.words <= reading_time.WORDS_CAP, (solution.stem, estimate)
+    assert reading_time.stated_minutes(solution) == estimate.rounded, (solution.stem, estimate)
+
+
+def test_the_readme_states_each_notebooks_minutes_and_their_total():
+    readme = (notebooks.ROOT / "README.md").read_text()
+    stated = {name: int(minutes) for name, minutes in re.findall(r"^\| \w+ \| `(\w+)` \| (\d+) \|", readme, re.M)}
+    estimates = {path.stem: reading_time.estimate(path).rounded for path in SOLUTION_NOTEBOOKS}
+    assert stated == estimates
+    total = sum(estimates.values())
+    assert f"about {round(total / 60)} hours in all ({total} minutes by the table below)" in readme, total
+
+
+def test_the_estimate_counts_what_a_learner_reads_and_does(tmp_path):
+    # 400 words with the first line's and the formula (2 min), 16 code lines (2 min), one exercise (10), one
+    # prediction (2), a script of 30 lines (2) with one more exercise (10): 28 minutes; 400 words plus the script's
+    script = "### BEGIN SOLUTION\n" + "x = 1\n" * 28 + "### END SOLUTION\n"
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "s.py").write_text(script)
+    cells = [nbformat.v4.new_markdown_cell("**About 30 minutes**: " + "word " * 395 + "**Predict** $a + b$"),
+             new_code_cell("### BEGIN SOLUTION\n" + "y = 2\n" * 13 + "### END SOLUTION"),
+             new_code_cell('check_script("scripts/s.py")')]
+    nbformat.write(new_notebook(cells=cells), tmp_path / "n.ipynb")
+    estimate = reading_time.estimate(tmp_path / "n.ipynb")
+    assert (estimate.minutes, estimate.exercises, estimate.rounded) == (28, 2, 30)
+    assert estimate.words == 400 + len(script.split())
+    assert reading_time.stated_minutes(tmp_path / "n.ipynb") == 30

@@ -1,4 +1,4 @@
-"""Module 5b, exercise 1: DDP's bucketed all-reduce, built from hooks.
+"""Module 5b: DDP's bucketed all-reduce, built from hooks.
 
 DDP does not wait for the backward to end before it communicates. Autograd calls
 a parameter's *post-accumulate-grad hook* as soon as that parameter's gradient is

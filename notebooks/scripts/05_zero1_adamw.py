@@ -1,4 +1,4 @@
-"""Module 5b, exercise 2: ZeRO-1 by hand, an AdamW whose state is sharded over the ranks.
+"""Module 5d: ZeRO-1 by hand, an AdamW whose state is sharded over the ranks.
 
 Under DDP every rank keeps AdamW's two moments for every parameter: 2 P bytes
 of optimizer state per rank for P bytes of fp32 parameters, the same numbers on
