@@ -55,7 +55,8 @@ def results(tmp_path_factory):
 def test_every_step_equals_the_single_process_reference(results, script):
     result = results[script]
     assert result["status"] == "PASS"
-    assert len(result["differences"]) == Problem().n_windows
+    # 06_save_and_resume trains a fourth window: its save is the one cut short
+    assert len(result["differences"]) == (4 if script == "06_save_and_resume" else Problem().n_windows)
     assert max(result["differences"]) < ADAMW_TOLERANCE
 
 
