@@ -86,6 +86,8 @@ class Phases:
 def _wait_phase(_order, _event, description: str) -> str:
     if "finite-gradients flag" in description:
         return "step all-reduce"
+    if "the TP gather" in description or "the TP scatter" in description:  # the TP owner's, as its docstring says
+        return "TP gather + scatter"
     return "broadcast waits" if "broadcast" in description or "publish" in description else "reduce waits"
 
 

@@ -71,3 +71,18 @@ def test_an_unknown_phase_is_refused():
     with pytest.raises(KeyError):
         with Phases(Clock()).phase("lunch"):
             pass
+
+
+@pytest.mark.parametrize("description, phase", [
+    ("the optimizer step's all-reduce of its finite-gradients flag", "step all-reduce"),
+    ("the TP gather of layers.0.attn.qkv_proj.weight's gradient to TP rank 0 (98304 values each)", "TP gather + scatter"),
+    ("the TP scatter of layers.0.attn.qkv_proj.weight's update from TP rank 0 (98304 values each)",
+     "TP gather + scatter"),
+    ("the post-step broadcast of 8 matrices from rank 0 (786432 values)", "broadcast waits"),
+    ("the broadcast of layers.1's matrices from rank 1 (65536 values of torch.float32)", "broadcast waits"),
+    ("the reduce of layers.3's gradients to rank 1 (4 matrices, 393216 values of torch.float32)", "reduce waits"),
+])
+def test_each_wait_counts_in_the_phase_of_its_collective(description, phase):
+    # a TP owner's gathers and scatters are the floor's TP term: their waits must not count as reduce waits
+    from phases import _wait_phase
+    assert _wait_phase(None, 0, description) == phase
