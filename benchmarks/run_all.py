@@ -388,11 +388,14 @@ def main(argv=None) -> None:
     rows = []
     for section in sections:
         print(f"running {section.__name__} ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
         try:
             rows += section()
         except RankFailedError as error:
             print(f"{section.__name__} failed; the ranks' last lines:\n{error.output}", file=sys.stderr)
             raise
+        # make bench must stay within 15 minutes: where they go
+        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     minutes = (time.perf_counter() - start) / 60
     table = "\n".join([
         f"Measured {datetime.date.today().isoformat()} on a {machine.describe()}; {torch.get_num_threads()} threads "
