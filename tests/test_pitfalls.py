@@ -321,7 +321,9 @@ def test_second_step_check_names_each_wrong_blend(candidate, status, hint):
     assert re.search(hint, result.message), str(result)
 
 
-def learner_epoch_rescales_the_short_window(model, optimizer, batches, loss_fn, accum_steps):
+def _epoch_rescaling_the_short_window(model, optimizer, batches, loss_fn, accum_steps, factor):
+    """A streaming loop that divides every loss by accum_steps and multiplies a short last window's gradient of r
+    batches by factor(r, accum_steps) before its step."""
     optimizer.zero_grad()
     in_window = 0
     for x, y in batches:
@@ -333,8 +335,12 @@ def learner_epoch_rescales_the_short_window(model, optimizer, batches, loss_fn, 
             in_window = 0
     if in_window:
         for p in model.parameters():
-            p.grad *= accum_steps / in_window
+            p.grad *= factor(in_window, accum_steps)
         optimizer.step()
+
+
+def learner_epoch_rescales_the_short_window(model, optimizer, batches, loss_fn, accum_steps):
+    _epoch_rescaling_the_short_window(model, optimizer, batches, loss_fn, accum_steps, lambda r, n: n / r)
 
 
 def learner_epoch_divides_gradients_at_each_step(model, optimizer, batches, loss_fn, accum_steps):
@@ -395,19 +401,8 @@ def learner_epoch_underweights_leftover(model, optimizer, batches, loss_fn, accu
 
 
 def learner_epoch_rescales_by_the_inverse(model, optimizer, batches, loss_fn, accum_steps):
-    optimizer.zero_grad()
-    in_window = 0
-    for x, y in batches:
-        (loss_fn(model(x), y) / accum_steps).backward()
-        in_window += 1
-        if in_window == accum_steps:
-            optimizer.step()
-            optimizer.zero_grad()
-            in_window = 0
-    if in_window:
-        for p in model.parameters():
-            p.grad *= in_window / accum_steps  # r / N where N / r was due
-        optimizer.step()
+    # r / N where N / r was due
+    _epoch_rescaling_the_short_window(model, optimizer, batches, loss_fn, accum_steps, lambda r, n: r / n)
 
 
 def learner_epoch_zero_grad_every_batch(model, optimizer, batches, loss_fn, accum_steps):

@@ -127,7 +127,7 @@ _LOOK_AHEADS = {"nesterov": lambda G, B, mu: G + mu * B, "none": lambda G, B, mu
 _MATRICES = {"rows per output channel": lambda X: X.flatten(1), "a matrix per kernel": lambda X: X.flatten(0, 1)}
 # (look-ahead, shape factor, orthogonalised, matrix), with nesterov=True: each known mistake's own hint.
 _MUON_MISTAKES = {
-    ("nesterov", "flattened", True, "a matrix per kernel"): (
+    ("nesterov", "matrix", True, "a matrix per kernel"): (
         "Newton-Schulz ran on each (out, in) pair's kh x kw kernel as a matrix of its own: orthogonalise the layer's "
         "map, the (out, in * kh * kw) matrix, one row per output channel (W.flatten(1))"),
     ("nesterov", "4-D", True, "rows per output channel"): (
@@ -135,26 +135,23 @@ _MUON_MISTAKES = {
         "4-D shape, 16 / 2, gives sqrt(8)"),
     ("nesterov", "none", True, "rows per output channel"): (
         "the shape factor sqrt(max(1, m / n)) of the (16, 8) matrix, sqrt(2), is missing"),
-    ("none", "flattened", True, "rows per output channel"): (
+    ("none", "matrix", True, "rows per output channel"): (
         "that is Muon without Nesterov: with nesterov=True the update is U = G + momentum * B"),
-    ("swapped", "flattened", True, "rows per output channel"): (
+    ("swapped", "matrix", True, "rows per output channel"): (
         "the look-ahead is swapped: Nesterov's U is the gradient plus momentum times the new buffer, "
         "G + momentum * B, not B + momentum * G"),
-    ("nesterov", "flattened", False, "rows per output channel"): (
+    ("nesterov", "matrix", False, "rows per output channel"): (
         "the update is not orthogonalised: O = newton_schulz(U) is what makes it Muon, every direction moved by the "
         "same amount"),
 }
 
 
 def _muon_variant(W0, G_steps, lr, momentum, look_ahead: str, factor: str, orthogonalised: bool, matrix: str):
-    """Muon's step on conv filters with known changes: the look-ahead, the shape factor (of the flattened matrix, of
-    the 4-D shape's out / in, or none), whether the update goes through Newton-Schulz, and the matrices it sees."""
+    """Muon's step on conv filters with known changes: the look-ahead, the shape factor (of the matrices Newton-Schulz
+    sees, of the 4-D shape's out / in, or none), whether the update goes through Newton-Schulz, and those matrices."""
     W, B = W0.clone(), torch.zeros_like(W0)
-    m, n = W0.flatten(1).shape
-    scale = {"flattened": max(1.0, m / n) ** 0.5, "4-D": max(1.0, W0.shape[0] / W0.shape[1]) ** 0.5,
-             "none": 1.0}[factor]
-    if matrix == "a matrix per kernel":
-        scale = max(1.0, W0.shape[2] / W0.shape[3]) ** 0.5 if factor == "flattened" else scale
+    m, n = _MATRICES[matrix](W0).shape[-2:]
+    scale = {"matrix": max(1.0, m / n) ** 0.5, "4-D": max(1.0, W0.shape[0] / W0.shape[1]) ** 0.5, "none": 1.0}[factor]
     for G in G_steps:
         B = momentum * B + G
         U = _MATRICES[matrix](_LOOK_AHEADS[look_ahead](G, B, momentum))
