@@ -361,6 +361,7 @@ _SCRIPTS_05A = ["05_allreduce_by_hand", "05_ddp_no_sync", "05_fsdp2_accumulation
 _SCRIPTS_05B = ["05_bucketed_ddp"]
 _SCRIPTS_06A, _SCRIPTS_06B = ["06_owners_only", "06_reduce_broadcast"], ["06_no_sync_merge", "06_z2_z3_training"]
 _SCRIPTS_06C = ["06_save_and_resume", "06_uneven_windows"]
+_SCRIPTS_06D = ["06_time_collectives"]
 SELECTIONS = {
     "01": (["01_loss_scaled_accumulation"], []),
     "02": (["02a_zero_grad_pitfalls", "02b_unscaled_loss_learning_rate"], []),
@@ -376,11 +377,12 @@ SELECTIONS = {
     "05b": (["05b_bucketed_ddp"], _SCRIPTS_05B),
     "05c": (["05c_token_weighted_ddp"], ["05_token_weighted_ddp"]),
     "05d": (["05d_zero1_adamw"], ["05_zero1_adamw"]),
-    "06": (["06a_dmuon_owner_ranks", "06b_dmuon_no_sync_z2_z3", "06c_dmuon_uneven_data_and_checkpoints"],
-           sorted(_SCRIPTS_06A + _SCRIPTS_06B + _SCRIPTS_06C)),
+    "06": (["06a_dmuon_owner_ranks", "06b_dmuon_no_sync_z2_z3", "06c_dmuon_uneven_data_and_checkpoints",
+            "06d_timing_communication"], sorted(_SCRIPTS_06A + _SCRIPTS_06B + _SCRIPTS_06C + _SCRIPTS_06D)),
     "06a": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
     "06b": (["06b_dmuon_no_sync_z2_z3"], _SCRIPTS_06B),
     "06c": (["06c_dmuon_uneven_data_and_checkpoints"], _SCRIPTS_06C),
+    "06d": (["06d_timing_communication"], _SCRIPTS_06D),
     "07": (["07_capstone"], []),
     "notebooks/06a_dmuon_owner_ranks.ipynb": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
     "06_owners": ([], ["06_owners_only"]),

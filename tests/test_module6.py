@@ -13,8 +13,10 @@ import pytest
 from dmuon_edu import dmuon
 from dmuon_edu.course import cost_model, notebooks, timeline
 from dmuon_edu.course.checks import recorded_script_results
+from dmuon_edu.course.checks.m06_seconds import fit_verdict
 from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, guide_batches
 from dmuon_edu.launch import torchrun
+from helpers import fit_relative, fit_median_search
 
 # The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
 # the tests fix the same bound here, so that loosening the package's does not loosen them.
@@ -51,7 +53,11 @@ def results(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("script", [s.stem for s in MODULE_6])
+# Every module 6 script trains against the single-process reference, but 6d's, which times communication.
+TRAINING_SCRIPTS = [s.stem for s in MODULE_6 if s.stem != "06_time_collectives"]
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_every_step_equals_the_single_process_reference(results, script):
     result = results[script]
     assert result["status"] == "PASS"
@@ -180,3 +186,36 @@ def test_the_timeline_shows_z3_broadcasting_in_every_forward_and_backward_and_z2
         assert phases["backward"].get("broadcast", 0) == (K * per_pass if zero3 else 0)
         assert phases["backward"]["reduce"] == per_pass and "reduce" not in phases["forward"]
         assert [phase for phase, *_ in rank_timeline["spans"]].count("forward") == K * 3  # k micro-batches, 3 layers
+
+
+# -- 6d: the timing script's run ---------------------------------------------------------------------------------
+def test_the_timing_script_times_each_collective_at_every_size_and_fits_it(results):
+    result = results["06_time_collectives"]
+    assert result["status"] == "PASS"
+    measured = result["measurements"]
+    for name in ("all_reduce", "broadcast", "reduce"):
+        seconds = measured["timings"][name]
+        assert [int(size) for size in seconds] == [2**k for k in range(10, 23)]
+        assert all(0 < t < 1 for t in seconds.values()), seconds  # a call of 4 MiB on 2 ranks, well under a second
+        alpha, per_byte = measured["fits"][name]
+        assert alpha > 0 and per_byte > 0, (name, alpha, per_byte)
+
+
+@pytest.mark.parametrize("fit", ["fit_relative", "fit_median_search"])
+def test_honest_fits_pass_on_this_machines_own_medians(results, fit):
+    # The check grades a fit on the learner's own gloo medians: an honest fit must pass on any machine.
+    medians = results["06_time_collectives"]["measurements"]["timings"]["all_reduce"]
+    sizes = [int(size) for size in medians]
+    status, message = fit_verdict({"fit_relative": fit_relative, "fit_median_search": fit_median_search}[fit], sizes,
+                                  list(medians.values()))
+    assert status == "PASS", message
+
+
+def test_the_bucket_sweep_makes_ceil_p_over_b_calls_at_each_size(results):
+    sweep = results["06_time_collectives"]["measurements"]["sweep"]
+    P = sweep["gradient bytes"]
+    assert P == 8 * (256 * 256 + 256) * 4
+    for bucket, row in sweep["rows"].items():
+        calls = 0 if bucket == "no communication" else -(-P // int(bucket))
+        assert row["calls"] == calls and row["seconds"] > 0, (bucket, row)
+    assert [int(b) for b in sweep["rows"] if b != "no communication"] == [2**14, 2**16, 2**18, 2**20, P]

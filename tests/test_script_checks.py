@@ -97,11 +97,18 @@ EXPECTED = {
                          "3.7x the traffic", "inside no_sync: one gradient sync per window"],
     "zero_grad_every_micro_batch": ["only each window's last micro-batch reached the step",
                                     "zero_grad() inside the micro-batch loop"],
+    "timer_own_rank": ["slowest_median_seconds: each rank returned its own time", "ReduceOp.MAX"],
+    "timer_fastest_rank": ["the fastest rank's time (4 ms a call)", "its slowest rank is done (12 ms)"],
+    "timer_mean": ["the mean of the repeats, moved by a hiccup of 80 ms"],
+    "timer_mean_without_warm_up": ["the mean of the repeats with the first call among them"],
+    "timer_worst_repeat": ["the worst repeat, a hiccup of 80 ms"],
+    "timer_total": ["the total of 7 repeats"],
 }
 
 # Honest alternatives to a script's answer, which its check must PASS.
 HONEST = {"packed_per_owner",  # 06_reduce_broadcast: one reduce and one broadcast per owner, as dmuon packs them
-          "resume_step_from_adamw_state"}  # 06_save_and_resume: the step AdamW's restored state counts
+          "resume_step_from_adamw_state",  # 06_save_and_resume: the step AdamW's restored state counts
+          "timer_best_repeat"}  # 06_time_collectives: the fastest repeat of the slowest rank
 
 
 SCRIPTS = sorted(notebooks.SOLUTION_SCRIPTS.glob("*.py"))

@@ -18,6 +18,7 @@ import math
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
+from dmuon_edu import dmuon
 from dmuon_edu.arguments import require_flag
 from dmuon_edu.course.cost_model import SCHEMES, cost
 from dmuon_edu.course.pitfalls import (
@@ -28,7 +29,8 @@ from dmuon_edu.course.pitfalls import (
     training_curve,
 )
 
-__all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget"]
+__all__ = ["lr_scaling_widget", "lr_scaling_figure", "LrScalingWidget", "cost_widget", "cost_figure",
+           "step_time_widget", "step_time_figure", "predicted_steps"]
 
 MAX_ACCUM_STEPS = 64
 # The cost widget's slider ranges: ranks W, micro-batches N, layers L.
@@ -125,9 +127,7 @@ class LrScalingWidget(widgets.VBox):
         self.figure = lr_scaling_figure(
             self.optimizer.value, self.accum_steps.value, lr=self.lr.value, scale_loss=self.scale_loss.value
         )
-        png = io.BytesIO()
-        self.figure.savefig(png, format="png")
-        self.plot.value = png.getvalue()
+        self.plot.value = _png(self.figure)
 
     def _optimizer_changed(self, change) -> None:
         # Each optimizer gets its usual learning rate. Setting the slider redraws through
@@ -142,6 +142,12 @@ class LrScalingWidget(widgets.VBox):
 def lr_scaling_widget(optimizer: str = "sgd", accum_steps: int = 8, scale_loss: bool = False) -> LrScalingWidget:
     """An app: how an unscaled loss changes the learning rate of SGD, momentum, AdamW and Muon."""
     return LrScalingWidget(optimizer, accum_steps, scale_loss)
+
+
+def _png(figure: Figure) -> bytes:
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    return png.getvalue()
 
 
 def _require_slider_value(name: str, value, largest: int) -> None:
@@ -201,11 +207,85 @@ class CostWidget(widgets.VBox):
 
     def redraw(self) -> None:
         self.figure = cost_figure(self.W.value, self.N.value, self.L.value, self.no_sync.value)
-        png = io.BytesIO()
-        self.figure.savefig(png, format="png")
-        self.plot.value = png.getvalue()
+        self.plot.value = _png(self.figure)
 
 
 def cost_widget(W: int = 8, N: int = 4, L: int = 12, no_sync: bool = True) -> CostWidget:
     """An app: per-rank memory and wire bytes of DDP, ZeRO-1, FSDP2 and dmuon Z2/Z3 as W, N and L change."""
     return CostWidget(W, N, L, no_sync)
+
+
+# The time model's GPU prediction: each dmuon layout beside the AdamW step of its own layout.
+STEP_TIME_LAYOUTS = {"dmuon Z2": "FSDP2 + AdamW", "dmuon Z3": "FSDP2 + AdamW", "dmuon DDP backend": "DDP + AdamW"}
+GPUS_PER_NODE = 8
+MAX_NODES = 128
+# The public dmuon's README: its step against AdamW's on 16 nodes of 8 GPUs, +1.7% to +3.4%.
+PUBLISHED_OVERHEAD = (0.017, 0.034)
+
+
+def predicted_steps(model: str, nodes: int, micro_batches: int) -> dict[str, tuple[float, float]]:
+    """{dmuon layout: (its predicted step, its AdamW peer's)} in seconds, on ``nodes`` nodes of 8 H100s (the time
+    model, dmuon.predict_step, with its H100 SXM preset)."""
+    if model not in dmuon.MODELS:
+        raise ValueError(f"model must be one of {', '.join(dmuon.MODELS)}, got {model!r}")
+    _require_slider_value("nodes", nodes, MAX_NODES)
+    _require_slider_value("micro_batches", micro_batches, COST_SLIDERS["N"])
+
+    def step(layout):
+        return dmuon.predict_step(dmuon.MODELS[model], dmuon.LAYOUTS[layout], world_size=nodes * GPUS_PER_NODE,
+                                  micro_batches=micro_batches, hardware=dmuon.HARDWARE["h100-sxm"]).total
+
+    return {name: (step(name), step(peer)) for name, peer in STEP_TIME_LAYOUTS.items()}
+
+
+def step_time_figure(model: str, nodes: int, micro_batches: int) -> Figure:
+    """dmuon's predicted step (:func:`predicted_steps`) beside the AdamW step of the same layout, and the public
+    dmuon's published overhead over AdamW."""
+    steps = predicted_steps(model, nodes, micro_batches)
+    figure = Figure(figsize=(8, 3.2), layout="constrained")
+    seconds, overhead = figure.subplots(1, 2)
+    labels = [name.removeprefix("dmuon ") for name in steps]
+    positions = range(len(labels))
+    seconds.bar([x - 0.2 for x in positions], [peer for _, peer in steps.values()], width=0.4,
+                label="AdamW, same layout", color="tab:gray")
+    seconds.bar([x + 0.2 for x in positions], [ours for ours, _ in steps.values()], width=0.4, label="dmuon (Muon)",
+                color="tab:blue")
+    seconds.set_xticks(list(positions), labels)
+    seconds.set(ylabel="seconds per optimizer step", title="predicted step")
+    seconds.legend(fontsize=8)
+    overhead.bar(labels, [100 * (ours / peer - 1) for ours, peer in steps.values()], color="tab:blue")
+    overhead.axhspan(100 * PUBLISHED_OVERHEAD[0], 100 * PUBLISHED_OVERHEAD[1], color="tab:orange", alpha=0.3,
+                     label="public dmuon, published (16 nodes)")
+    overhead.axhline(0, color="black", linewidth=0.8)
+    overhead.set(ylabel="% over AdamW", title="overhead over AdamW")
+    overhead.legend(fontsize=8)
+    figure.suptitle(f"{model} on {nodes} x {GPUS_PER_NODE} H100 SXM (W = {nodes * GPUS_PER_NODE}), N = "
+                    f"{micro_batches} micro-batches: predicted by dmuon's time model", fontsize=10)
+    return figure
+
+
+class StepTimeWidget(widgets.VBox):
+    """A model, a node count and N, over :func:`step_time_figure`."""
+
+    def __init__(self, model: str, nodes: int, micro_batches: int):
+        step_time_figure(model, nodes, micro_batches)  # refuses bad input before any control is built
+        self.model = widgets.Dropdown(options=list(dmuon.MODELS), value=model, description="model")
+        self.nodes = widgets.IntSlider(value=nodes, min=1, max=MAX_NODES, description="nodes",
+                                       continuous_update=False)
+        self.micro_batches = widgets.IntSlider(value=micro_batches, min=1, max=COST_SLIDERS["N"],
+                                               description="N micro", continuous_update=False)
+        self.plot = widgets.Image(format="png")
+        self.figure: Figure | None = None
+        super().__init__([widgets.HBox([self.model, self.nodes, self.micro_batches]), self.plot])
+        for control in (self.model, self.nodes, self.micro_batches):
+            control.observe(lambda _: self.redraw(), names="value")
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.figure = step_time_figure(self.model.value, self.nodes.value, self.micro_batches.value)
+        self.plot.value = _png(self.figure)
+
+
+def step_time_widget(model: str = "llama2-7b", nodes: int = 16, micro_batches: int = 8) -> StepTimeWidget:
+    """An app: dmuon's step on a GPU cluster, predicted by its time model, against AdamW and the published overhead."""
+    return StepTimeWidget(model, nodes, micro_batches)

@@ -18,7 +18,9 @@ names its mistake, each honest alternative PASSes, and each learner copy raises 
 import contextlib
 import inspect
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -496,6 +498,52 @@ def overlapping_shards(numel, rank, world_size):
     return rank * (size - 1), rank * (size - 1) + size
 
 
+# --------------------------------------------------------------- 06_time_collectives: slowest_median_seconds
+def _timings(call, repeats, warm_up=True, over_ranks=dist.ReduceOp.MAX):
+    """Each repeat's time; over_ranks None: this rank's own."""
+    if warm_up:
+        call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        if over_ranks is not None:
+            dist.all_reduce(elapsed, op=over_ranks)
+        times.append(elapsed.item())
+    return times
+
+
+def timer_own_rank(call, repeats):
+    return statistics.median(_timings(call, repeats, over_ranks=None))
+
+
+def timer_fastest_rank(call, repeats):
+    return statistics.median(_timings(call, repeats, over_ranks=dist.ReduceOp.MIN))
+
+
+def timer_mean(call, repeats):
+    return statistics.mean(_timings(call, repeats))
+
+
+def timer_mean_without_warm_up(call, repeats):
+    return statistics.mean(_timings(call, repeats, warm_up=False))
+
+
+def timer_worst_repeat(call, repeats):
+    return max(_timings(call, repeats))
+
+
+def timer_total(call, repeats):
+    return sum(_timings(call, repeats))
+
+
+def timer_best_repeat(call, repeats):
+    """Honest: the fastest of the repeats, each the slowest rank's (a common benchmark estimator)."""
+    return min(_timings(call, repeats))
+
+
 MUTATIONS = [
     ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
     ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
@@ -553,6 +601,13 @@ MUTATIONS = [
     ("06_uneven_windows", "train", sample_average_not_undone),
     ("06_uneven_windows", "train", zero_grad_every_micro_batch),
     ("06_uneven_windows", "train", no_sync_left_out),
+    ("06_time_collectives", "slowest_median_seconds", timer_own_rank),
+    ("06_time_collectives", "slowest_median_seconds", timer_fastest_rank),
+    ("06_time_collectives", "slowest_median_seconds", timer_mean),
+    ("06_time_collectives", "slowest_median_seconds", timer_mean_without_warm_up),
+    ("06_time_collectives", "slowest_median_seconds", timer_worst_repeat),
+    ("06_time_collectives", "slowest_median_seconds", timer_total),
+    ("06_time_collectives", "slowest_median_seconds", timer_best_repeat),
 ]
 
 

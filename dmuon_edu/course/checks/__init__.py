@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmuon_edu.course.checks import m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon, m07_capstone
+from dmuon_edu.course.checks import (m01_accumulation, m02_pitfalls, m03_real_loops, m04_muon, m06_seconds,
+                                     m07_capstone)
 from dmuon_edu.launch import RankFailedError, torchrun
 
 __all__ = [
@@ -188,5 +189,6 @@ EXERCISES: dict[str, Callable[[Callable], tuple[str, str]]] = {
     **m02_pitfalls.EXERCISES,
     **m03_real_loops.EXERCISES,
     **m04_muon.EXERCISES,
+    **m06_seconds.EXERCISES,
     **m07_capstone.EXERCISES,
 }
