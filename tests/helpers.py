@@ -44,10 +44,15 @@ def fit_relative(sizes, seconds):
     return (ya * bb - yb * ab) / d, (aa * yb - ab * ya) / d
 
 
-def fit_median_search(sizes, seconds):
-    """The (alpha, slope) of a log-spaced grid whose median relative error is least: robust to a stalled median."""
-    def median_error(alpha, per_byte):
-        errors = sorted(abs((alpha + per_byte * s) / t - 1) for s, t in zip(sizes, seconds))
-        return errors[len(errors) // 2]
-    grid = [(10 ** (-6 + i / 12), 10 ** (-12 + j / 12)) for i in range(61) for j in range(73)]
-    return min(grid, key=lambda point: median_error(*point))
+def fit_least_absolute(sizes, seconds):
+    """The least sum of absolute relative errors, by iteratively reweighted least squares: a stalled median pulls
+    it less than it pulls a least-squares fit."""
+    weights = [1.0] * len(sizes)
+    for _ in range(50):
+        rows = [(w / t, w * s / t, w) for s, t, w in zip(sizes, seconds, weights)]
+        aa, ab, bb = (sum(u * u for u, _, _ in rows), sum(u * v for u, v, _ in rows), sum(v * v for _, v, _ in rows))
+        ya, yb = sum(u * w for u, _, w in rows), sum(v * w for _, v, w in rows)
+        d = aa * bb - ab * ab
+        alpha, per_byte = (ya * bb - yb * ab) / d, (aa * yb - ab * ya) / d
+        weights = [1 / max(abs((alpha + per_byte * s) / t - 1), 1e-3) ** 0.5 for s, t in zip(sizes, seconds)]
+    return alpha, per_byte

@@ -16,7 +16,7 @@ from dmuon_edu.course.checks import run_check
 from dmuon_edu.course.checks.m06_seconds import FIT_SIZES, fit_verdict, timer_verdict
 from dmuon_edu.course.comm_seconds import Ring, bucketed_exposed_seconds, link_timings
 from dmuon_edu.course.widgets import step_time_figure, step_time_widget
-from helpers import fit_relative, fit_median_search
+from helpers import fit_relative, fit_least_absolute
 
 
 # -- the ring all-reduce -------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_each_fit_mistake_fails_with_its_own_hint(candidate, hint):
     assert status == "FAIL" and hint in message, message
 
 
-@pytest.mark.parametrize("candidate", [fit_relative, fit_median_search])
+@pytest.mark.parametrize("candidate", [fit_relative, fit_least_absolute])
 def test_honest_fits_pass(candidate):
     status, message = fit_verdict(candidate, FIT_SIZES, OTHER_LINK)
     assert status == "PASS", message

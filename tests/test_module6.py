@@ -16,7 +16,7 @@ from dmuon_edu.course.checks import recorded_script_results
 from dmuon_edu.course.checks.m06_seconds import fit_verdict
 from dmuon_edu.course.dmuon_problem import Problem, dedicated_parameters, guide_batches
 from dmuon_edu.launch import torchrun
-from helpers import fit_relative, fit_median_search
+from helpers import fit_relative, fit_least_absolute
 
 # The scripts' own verdicts use data_parallel.ADAMW_TOLERANCE (its comment says why 1e-5);
 # the tests fix the same bound here, so that loosening the package's does not loosen them.
@@ -201,12 +201,12 @@ def test_the_timing_script_times_each_collective_at_every_size_and_fits_it(resul
         assert alpha > 0 and per_byte > 0, (name, alpha, per_byte)
 
 
-@pytest.mark.parametrize("fit", ["fit_relative", "fit_median_search"])
+@pytest.mark.parametrize("fit", ["fit_relative", "fit_least_absolute"])
 def test_honest_fits_pass_on_this_machines_own_medians(results, fit):
     # The check grades a fit on the learner's own gloo medians: an honest fit must pass on any machine.
     medians = results["06_time_collectives"]["measurements"]["timings"]["all_reduce"]
     sizes = [int(size) for size in medians]
-    status, message = fit_verdict({"fit_relative": fit_relative, "fit_median_search": fit_median_search}[fit], sizes,
+    status, message = fit_verdict({"fit_relative": fit_relative, "fit_least_absolute": fit_least_absolute}[fit], sizes,
                                   list(medians.values()))
     assert status == "PASS", message
 

@@ -62,10 +62,11 @@ SYNTHETIC_TOLERANCE = 0.25
 # On a learner's own gloo medians the grade is the median miss over the sizes the fit did not see, against the
 # check's own fit (least squares on the relative error) on the same medians. On a busy 2-core machine 30 to 50% of
 # gloo's calls stall for 2 to 7 ms (another process holds the core), so some sizes' medians sit 5 to 10x above
-# their neighbours' and no line follows them: even the best fit misses by 20 to 80% there. A fit passes within
-# 25 points of the check's (or within 50%); the named mistakes miss by 90% and more.
+# their neighbours' and no line follows them: even the check's fit missed by 20 to 50% in the suite's runs, and an
+# honest fit of another kind by up to 30 points more. A fit passes within 50 points of the check's (or within 50%).
+# The named mistakes fail before, on the link of known alpha and beta.
 MEASURED_TOLERANCE = 0.5
-MEASURED_MARGIN = 0.25
+MEASURED_MARGIN = 0.5
 
 
 def _held_out_misses(candidate: Callable, sizes: list[int], seconds: list[float]):
