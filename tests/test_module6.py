@@ -36,7 +36,7 @@ MATRICES = len(dedicated_parameters(Problem().model()))
 def results(tmp_path_factory):
     """Every module 6 solution script on 2 ranks: each script's report.
 
-    Notebooks 06a-06c run exactly these (check_script, same nproc, same problem). When
+    Notebooks 06a-06d run exactly these (check_script, same nproc, same problem). When
     DMUON_EDU_SCRIPT_RESULTS (checks.SCRIPT_RESULTS_ENV) names the folder their nbval run of this
     `make test` recorded into, a report is read from there (checks.recorded_script_results: only the
     unchanged solution script's own run). The rest run here, in one launch (tests/dist/run_scripts.py);
