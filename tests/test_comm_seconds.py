@@ -14,7 +14,8 @@ import torch
 
 from dmuon_edu.course.checks import run_check
 from dmuon_edu.course.checks.m06_seconds import FIT_SIZES, fit_verdict, timer_verdict
-from dmuon_edu.course.comm_seconds import Ring, bucketed_exposed_seconds, link_timings
+from dmuon_edu.course.comm_figures import timings_figure
+from dmuon_edu.course.comm_seconds import Ring, SlowRankCall, bucketed_exposed_seconds, link_timings
 from dmuon_edu.course.widgets import step_time_figure, step_time_widget
 from helpers import fit_relative, fit_least_absolute
 
@@ -193,23 +194,35 @@ def test_the_exposed_time_is_the_models_event_by_event(P, alpha, beta, T):
 
 
 # -- the timing function and the fit (their numbers; the script's runs are in test_module6.py) ----------------------
-# SlowRankCall's defaults: 4 ms on rank 0, 12 on rank 1, 300 ms the first call, one 80 ms hiccup; 7 repeats.
-@pytest.mark.parametrize("results, status, hint", [
-    ([0.0121, 0.0121], "PASS", "the slowest rank's median call"),
-    ([0.0155, 0.0155], "PASS", "the slowest rank's median call"),
-    ([0.004, 0.012], "FAIL", "each rank returned its own time (4.0 ms, 12.0 ms)"),
-    ([0.004, 0.004], "FAIL", "the fastest rank's time"),
-    ([0.08, 0.08], "FAIL", "the worst repeat, a hiccup of 80 ms"),
-    ([0.3, 0.3], "FAIL", "the first call, 300 ms of set-up"),
-    ([0.152, 0.152], "FAIL", "the total of 7 repeats"),
-    ([(6 * 0.012 + 0.08) / 7] * 2, "FAIL", "the mean of the repeats, moved by a hiccup of 80 ms"),
-    ([(5 * 0.012 + 0.08 + 0.3) / 7] * 2, "FAIL", "the mean of the repeats with the first call among them"),
-    ([0.035, 0.035], "FAIL", "barrier, warm up once"),
-    ([float("nan")] * 2, "FAIL", "a finite float"),
+# SlowRankCall's defaults: 4 ms on rank 0, 12 on rank 1, 300 ms the first call, one 80 ms hiccup; 7 repeats, the
+# function calling it 8 times (one untimed), the slowest rank's median call measured at 12.1 ms unless given.
+@pytest.mark.parametrize("results, status, hint, calls, truth", [
+    ([0.0121, 0.0121], "PASS", "the slowest rank's median call", 8, 0.0121),
+    ([0.0145, 0.0145], "PASS", "the slowest rank's median call", 8, 0.0125),  # a busy machine's overshoot
+    ([0.0121, 0.0121], "PASS", "the slowest rank's median call", 9, 0.0121),  # two untimed calls
+    ([0.004, 0.012], "FAIL", "each rank returned its own time (4.0 ms, 12.0 ms)", 8, 0.0121),
+    ([0.004, 0.004], "FAIL", "the fastest rank's time", 8, 0.0121),
+    ([0.08, 0.08], "FAIL", "the worst repeat, a hiccup of 80 ms", 8, 0.0121),
+    ([0.3, 0.3], "FAIL", "the first call, 300 ms of set-up", 8, 0.0121),
+    ([0.152, 0.152], "FAIL", "the total of 7 repeats", 8, 0.0121),
+    ([(6 * 0.012 + 0.08) / 7] * 2, "FAIL", "the mean of the repeats, moved by a hiccup of 80 ms", 8, 0.0121),
+    ([0.0121, 0.0121], "FAIL", "the call ran 7 times, all timed", 7, 0.0121),
+    ([0.0121, 0.0121], "FAIL", "the call ran 1 times for 7 repeats", 1, 0.0121),
+    ([0.035, 0.035], "FAIL", "where the slowest rank's median call took 12.1 ms", 8, 0.0121),
+    ([float("nan")] * 2, "FAIL", "a finite float", 8, 0.0121),
 ])
-def test_timer_verdicts(results, status, hint):
-    got_status, message = timer_verdict(results, fast=0.004, repeats=7, hiccup=0.08, first=0.3)
+def test_timer_verdicts(results, status, hint, calls, truth):
+    got_status, message = timer_verdict(results, truth, calls, SlowRankCall(0, 2), repeats=7)
     assert got_status == status and hint in message, message
+
+
+def test_the_slow_rank_call_times_itself():
+    call = SlowRankCall(1, 2, first=0.002, slow=0.003, hiccup=0.004)
+    for _ in range(5):
+        call()
+    assert call.calls == 5 and all(took >= planned for took, planned in zip(call.took, [0.002, 0.003, 0.003, 0.004, 0.003]))
+    middle = sorted(call.took[1:])[1:3]  # the first call (set-up) left out; the median of four is the middle two's mean
+    assert call.typical() == pytest.approx(sum(middle) / 2, rel=1e-12)
 
 
 def fit_through_origin(sizes, seconds):
@@ -223,10 +236,19 @@ def fit_log_log(sizes, seconds):
     return math.exp(my - p * mx), p
 
 
+def fit_least_squares_on_seconds(sizes, seconds):
+    n = len(sizes)
+    ms, mt = sum(sizes) / n, sum(seconds) / n
+    slope = sum((s - ms) * (t - mt) for s, t in zip(sizes, seconds)) / sum((s - ms) ** 2 for s in sizes)
+    return mt - slope * ms, slope
+
+
 FIT_MISTAKES = [
+    (fit_least_squares_on_seconds, "least squares on seconds lets the largest messages set the line"),
     (fit_through_origin, "the fit has no latency"),
     (lambda s, t: (sum(t) / len(t), 0.0), "the fit has no bandwidth term"),
     (lambda s, t: tuple(1e3 * v for v in fit_relative(s, t)), "return seconds, not milliseconds"),
+    (lambda s, t: tuple(1e6 * v for v in fit_relative(s, t)), "return seconds, not milliseconds or microseconds"),
     (lambda s, t: (fit_relative(s, t)[0], 1 / fit_relative(s, t)[1]), "that is a bandwidth (bytes per second)"),
     (fit_log_log, "a straight line on the log-log plot"),
     (lambda s, t: fit_relative(s, t)[0], "return (alpha, seconds_per_byte), two numbers"),
@@ -241,7 +263,9 @@ def test_each_fit_mistake_fails_with_its_own_hint(candidate, hint):
     assert status == "FAIL" and hint in message, message
 
 
-@pytest.mark.parametrize("candidate", [fit_relative, fit_least_absolute])
+@pytest.mark.parametrize("candidate", [fit_relative, fit_least_absolute,
+                                       lambda s, t: torch.tensor(fit_relative(s, t)),  # an array or a list will do
+                                       lambda s, t: list(fit_least_absolute(s, t))])
 def test_honest_fits_pass(candidate):
     status, message = fit_verdict(candidate, FIT_SIZES, OTHER_LINK)
     assert status == "PASS", message
@@ -257,3 +281,13 @@ def test_step_time_figure_draws_each_layout_beside_its_adamw_step_and_refuses_ba
         step_time_figure("gpt5", 16, 8)
     with pytest.raises(ValueError, match="nodes must be between 1 and 128"):
         step_time_widget(nodes=0)
+
+
+def test_the_timings_figure_draws_no_line_for_a_fit_that_is_not_positive():
+    # Only the all_reduce's fit is graded; the learner's function also fits broadcast and reduce, ungraded.
+    measured = {"timings": {"all_reduce": {"1024": 4e-4, "4096": 5e-4}, "broadcast": {"1024": 2e-4, "4096": 2e-4}},
+                "fits": {"all_reduce": [3.9e-4, 2.5e-8], "broadcast": [2e-4, -1e-12]}}
+    axes = timings_figure(measured).axes[0]
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [
+        "all_reduce: alpha 390 us, 0.04 GB/s", "broadcast: no line: a fit <= 0"]
+    assert len(axes.lines) == 3  # two sets of points, one line

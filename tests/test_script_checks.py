@@ -100,7 +100,7 @@ EXPECTED = {
     "timer_own_rank": ["slowest_median_seconds: each rank returned its own time", "ReduceOp.MAX"],
     "timer_fastest_rank": ["the fastest rank's time (4 ms a call)", "its slowest rank is done (12 ms)"],
     "timer_mean": ["the mean of the repeats, moved by a hiccup of 80 ms"],
-    "timer_mean_without_warm_up": ["the mean of the repeats with the first call among them"],
+    "timer_mean_without_warm_up": ["the call ran 7 times, all timed", "make one untimed call first"],
     "timer_worst_repeat": ["the worst repeat, a hiccup of 80 ms"],
     "timer_total": ["the total of 7 repeats"],
 }

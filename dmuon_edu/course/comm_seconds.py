@@ -5,8 +5,9 @@
 - :func:`bucketed_exposed_seconds`: what a bucketed all-reduce leaves after the backward when it runs
   beside it, one call at a time, each bucket sent as soon as it is full;
 - :class:`Ring`: W ranks in one process whose sends are counted (the ring all-reduce's check);
-- :class:`SlowRankCall`: a call whose time is known on every rank (the timing function's check);
-- :func:`timings_figure`, :func:`sweep_figure`: the timing script's measurements, drawn.
+- :class:`SlowRankCall`: a call whose time is known on every rank (the timing function's check).
+
+The timing script's measurements are drawn by :mod:`dmuon_edu.course.comm_figures`.
 
 A collective of S counted bytes (count_comm's unit: the whole tensor) is modelled as
 ``alpha + seconds_per_byte * S``: ``alpha`` the fixed cost of a call, ``seconds_per_byte``
@@ -17,12 +18,12 @@ ring all-reduce).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
-from matplotlib.figure import Figure
 
-__all__ = ["link_timings", "bucketed_exposed_seconds", "Ring", "SlowRankCall", "timings_figure", "sweep_figure"]
+__all__ = ["link_timings", "bucketed_exposed_seconds", "Ring", "SlowRankCall"]
 
 
 def link_timings(sizes: list[int], alpha: float, seconds_per_byte: float, noise: float, seed: int) -> list[float]:
@@ -85,49 +86,25 @@ class SlowRankCall:
                  hiccup: float = 0.08, hiccup_call: int = 4):
         self.rank, self.world_size = rank, world_size
         self.fast, self.slow, self.first, self.hiccup, self.hiccup_call = fast, slow, first, hiccup, hiccup_call
-        self.calls = 0
+        self.took: list[float] = []  # each call's seconds, as timed here (time.sleep overshoots on a busy machine)
+
+    @property
+    def calls(self) -> int:
+        return len(self.took)
 
     def __call__(self) -> None:
-        self.calls += 1
-        if self.calls == 1:
+        call = self.calls + 1
+        if call == 1:
             seconds = self.first
-        elif self.calls == self.hiccup_call and self.rank == self.world_size - 1:
+        elif call == self.hiccup_call and self.rank == self.world_size - 1:
             seconds = self.hiccup
         else:
             seconds = self.fast if self.rank == 0 else self.slow
+        start = time.perf_counter()
         time.sleep(seconds)
+        self.took.append(time.perf_counter() - start)
 
+    def typical(self) -> float:
+        """This rank's median call after the first: what a right answer returns on the slowest rank."""
+        return statistics.median(self.took[1:])
 
-def timings_figure(measured: dict) -> Figure:
-    """Each collective's medians against its size, with its fitted line (the timing script's ``measurements``)."""
-    figure = Figure(figsize=(6, 3.6), layout="constrained")
-    axes = figure.subplots()
-    for name, row in measured["timings"].items():
-        sizes = [int(size) for size in row]
-        alpha, per_byte = measured["fits"][name]
-        points = axes.loglog(sizes, list(row.values()), "o",
-                             label=f"{name}: alpha {alpha * 1e6:.0f} us, {1 / per_byte / 1e9:.2f} GB/s")
-        axes.loglog(sizes, [alpha + per_byte * size for size in sizes], "-", color=points[0].get_color())
-    axes.set(xlabel="message size (bytes)", ylabel="seconds per call (slowest rank, median)", title="your gloo ranks")
-    axes.legend(fontsize=8)
-    return figure
-
-
-def sweep_figure(measured: dict) -> Figure:
-    """One backward with the learner's BucketedAllReduce at each bucket size, against the no-overlap prediction:
-    the backward alone, plus each call's alpha, plus beta P (the all_reduce fit)."""
-    sweep = measured["sweep"]
-    alpha, per_byte = measured["fits"]["all_reduce"]
-    rows = {int(size): row for size, row in sweep["rows"].items() if size != "no communication"}
-    alone = sweep["rows"]["no communication"]["seconds"]
-    sizes = sorted(rows)
-    figure = Figure(figsize=(6, 3.4), layout="constrained")
-    axes = figure.subplots()
-    axes.semilogx(sizes, [rows[b]["seconds"] * 1e3 for b in sizes], "o-", label="measured: one backward + finish()")
-    axes.semilogx(sizes, [(alone + rows[b]["calls"] * alpha + per_byte * sweep["gradient bytes"]) * 1e3 for b in sizes],
-                  "--", label="no overlap: backward + calls x alpha + beta P")
-    for b in sizes:
-        axes.annotate(f"{rows[b]['calls']} calls", (b, rows[b]["seconds"] * 1e3), fontsize=7)
-    axes.set(xlabel="bucket size (bytes)", ylabel="ms", title="your BucketedAllReduce on 2 gloo ranks")
-    axes.legend(fontsize=8)
-    return figure
