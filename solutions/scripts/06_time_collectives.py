@@ -137,7 +137,8 @@ def main(ranks):
     except NotImplementedError:
         distributed.print0("the bucket sweep needs your BucketedAllReduce: finish scripts/05_bucketed_ddp.py (05b)")
         sweep = None
-    return report("06_time_collectives", [], {}, hint="", passed=f"slowest_median_seconds: {timer}; fit_alpha_beta: {message}",
+    return report("06_time_collectives", [], {}, hint="",
+                  passed=f"slowest_median_seconds: {timer}; fit_alpha_beta: {message}",
                   measurements={"timings": timings, "fits": fits, "sweep": sweep, "world size": ranks.world_size})
 
 

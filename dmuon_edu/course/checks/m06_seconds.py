@@ -72,6 +72,8 @@ def known_link() -> list[float]:
     seconds = link_timings(FIT_SIZES, FIT_ALPHA, FIT_SECONDS_PER_BYTE, noise=0.05, seed=0)
     seconds[-1] *= FIT_STALL
     return seconds
+
+
 # On a learner's own gloo medians the grade is the median miss over the sizes the fit did not see, against the
 # check's own fit (least squares on the relative error) on the same medians. On a busy 2-core machine 30 to 50% of
 # gloo's calls stall for 2 to 7 ms (another process holds the core), so some sizes' medians sit 5 to 10x above
@@ -149,8 +151,8 @@ def fit_verdict(candidate: Callable, sizes: list[int], seconds: list[float]) -> 
     if typical > max(MEASURED_TOLERANCE, best + MEASURED_MARGIN):
         return "FAIL", (f"on your own medians the fit misses the sizes it did not see by {typical:.0%} (the median; "
                         f"alpha {alpha * 1e6:.0f} us, seconds_per_byte {per_byte:.3g}), where a fit of the relative "
-                        f"error misses by {best:.0%}: weigh the small messages as much as the large ones, and no single "
-                        "size alone")
+                        f"error misses by {best:.0%}: weigh the small messages as much as the large ones, and no "
+                        "single size alone")
     return "PASS", (f"on the sizes it did not see, within {SYNTHETIC_TOLERANCE:.0%} on a link of known alpha and beta, "
                     "and as close to your own medians as a fit of the relative error")
 
@@ -192,9 +194,9 @@ def _check_ring_all_reduce(candidate: Callable) -> tuple[str, str]:
         verdict = _ring_verdict(candidate, world_size)
         if verdict is not None:
             return "FAIL", f"on {world_size} ranks: {verdict}"
+    sent = ", ".join(f"{2 * (w - 1) * RING_ENTRIES * 8 // w} on {w}" for w in RING_WORLD_SIZES)
     return "PASS", (f"every rank holds the sum, on 2 to 5 ranks, and sends 2(W-1)/W of the buffer "
-                    f"({RING_ENTRIES * 8} bytes: {', '.join(f'{2 * (w - 1) * RING_ENTRIES * 8 // w} on {w}' for w in RING_WORLD_SIZES)}), "
-                    "only to its neighbours")
+                    f"({RING_ENTRIES * 8} bytes: {sent}), only to its neighbours")
 
 
 def _ring_verdict(candidate: Callable, world_size: int) -> str | None:
@@ -231,7 +233,8 @@ def _ring_verdict(candidate: Callable, world_size: int) -> str | None:
                 f"everything (a reduce to it and a broadcast back); a ring spreads it, {ring_bytes} bytes each")
     if any(sent != ring_bytes for sent in ring.sent_bytes):
         r = next(r for r in range(world_size) if ring.sent_bytes[r] != ring_bytes)
-        whole = " whole buffers: send one chunk (S / W) at each step" if ring.sent_bytes[r] >= (world_size - 1) * S else ""
+        whole = (" whole buffers: send one chunk (S / W) at each step"
+                 if ring.sent_bytes[r] >= (world_size - 1) * S else "")
         return (f"rank {r} sends {ring.sent_bytes[r]} bytes of a {S}-byte buffer, where a ring sends 2(W-1)/W S = "
                 f"{ring_bytes}:{whole or ' W - 1 steps of reduce-scatter, W - 1 of all-gather, one chunk each'}")
     return None
@@ -275,10 +278,10 @@ def _check_best_bucket_bytes(candidate: Callable) -> tuple[str, str]:
             (alpha / per_byte, "alpha / beta is the size where one call's latency equals its bandwidth time; the "
                                "backward's time decides the best bucket"),
             (25 * 2**20, "DDP's default 25 MB is one size for every model and network; derive it from P, alpha and T"),
-            (4 * P * math.sqrt(alpha / backward), "about 4x too large: the first bucket's wait, b T / P, now costs more "
-                                                  "than the latency the fewer calls save"),
-            (P * math.sqrt(alpha / backward) / 4, "about 4x too small: the calls' latency, P alpha / b, now costs more "
-                                                  "than the earlier start saves"),
+            (4 * P * math.sqrt(alpha / backward),
+             "about 4x too large: the first bucket's wait, b T / P, now costs more than the fewer calls save"),
+            (P * math.sqrt(alpha / backward) / 4,
+             "about 4x too small: the calls' latency, P alpha / b, now costs more than the earlier start saves"),
         ]
         for size, hint in mistakes:
             if abs(b / size - 1) < 0.02:
