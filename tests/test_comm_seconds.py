@@ -21,17 +21,27 @@ from helpers import fit_relative, fit_least_absolute
 
 
 # -- the ring all-reduce -------------------------------------------------------------------------------------------
-def ring_by_views(buffers, send):
+def _ring_phases(buffers, send, gather_adds=False, gather=True):
+    """The ring by chunk views: the reduce-scatter, then (unless not ``gather``) the all-gather, which copies what
+    it receives (adds it, where ``gather_adds``: a mistake)."""
     W = len(buffers)
     chunks = [list(b.chunk(W)) for b in buffers]
     for k in range(W - 1):
         received = [send(r, (r + 1) % W, chunks[r][(r - k) % W]) for r in range(W)]
         for r in range(W):
             chunks[(r + 1) % W][(r - k) % W] += received[r]
-    for k in range(W - 1):
+    for k in range(W - 1 if gather else 0):
         received = [send(r, (r + 1) % W, chunks[r][(r + 1 - k) % W]) for r in range(W)]
         for r in range(W):
-            chunks[(r + 1) % W][(r + 1 - k) % W].copy_(received[r])
+            chunk = chunks[(r + 1) % W][(r + 1 - k) % W]
+            if gather_adds:
+                chunk.add_(received[r])
+            else:
+                chunk.copy_(received[r])
+
+
+def ring_by_views(buffers, send):
+    _ring_phases(buffers, send)
 
 
 def ring_backwards_by_offsets(buffers, send):
@@ -70,25 +80,11 @@ def ring_whole_buffers(buffers, send):
 
 
 def ring_reduce_scatter_only(buffers, send):
-    W = len(buffers)
-    chunks = [list(b.chunk(W)) for b in buffers]
-    for k in range(W - 1):
-        received = [send(r, (r + 1) % W, chunks[r][(r - k) % W]) for r in range(W)]
-        for r in range(W):
-            chunks[(r + 1) % W][(r - k) % W] += received[r]
+    _ring_phases(buffers, send, gather=False)
 
 
 def ring_gather_adds(buffers, send):
-    W = len(buffers)
-    chunks = [list(b.chunk(W)) for b in buffers]
-    for k in range(W - 1):
-        received = [send(r, (r + 1) % W, chunks[r][(r - k) % W]) for r in range(W)]
-        for r in range(W):
-            chunks[(r + 1) % W][(r - k) % W] += received[r]
-    for k in range(W - 1):
-        received = [send(r, (r + 1) % W, chunks[r][(r + 1 - k) % W]) for r in range(W)]
-        for r in range(W):
-            chunks[(r + 1) % W][(r + 1 - k) % W] += received[r]
+    _ring_phases(buffers, send, gather_adds=True)
 
 
 def ring_direct_to_owners(buffers, send):
@@ -277,7 +273,7 @@ def test_step_time_figure_draws_each_layout_beside_its_adamw_step_and_refuses_ba
     figure = step_time_figure("llama2-7b", 16, 8)
     seconds, overhead = figure.axes
     assert len(seconds.patches) == 6 and len(overhead.patches) == 4  # 3 pairs of bars; 3 bars and the band
-    assert "128" in figure._suptitle.get_text()
+    assert "128" in figure.get_suptitle()
     with pytest.raises(ValueError, match="model must be one of gpt2-small, llama2-7b"):
         step_time_figure("gpt5", 16, 8)
     with pytest.raises(ValueError, match="nodes must be between 1 and 128"):
@@ -292,3 +288,11 @@ def test_the_timings_figure_draws_no_line_for_a_fit_that_is_not_positive():
     assert [text.get_text() for text in axes.get_legend().get_texts()] == [
         "all_reduce: alpha 390 us, 0.04 GB/s", "broadcast: no line: a fit <= 0"]
     assert len(axes.lines) == 3  # two sets of points, one line
+
+
+@pytest.mark.parametrize("arguments, name", [((0, 1e6, 1e-4, 1e-9, 0.02), "parameter_bytes"),
+                                             ((1e6, -1, 1e-4, 1e-9, 0.02), "bucket_bytes"),
+                                             ((1e6, 1e5, 1e-4, 1e-9, float("nan")), "backward_seconds")])
+def test_the_exposure_model_refuses_what_is_not_a_positive_size_or_time(arguments, name):
+    with pytest.raises(ValueError, match=f"{name} must be a positive finite number"):
+        bucketed_exposed_seconds(*arguments)

@@ -46,8 +46,10 @@ def bucketed_exposed_seconds(parameter_bytes: float, bucket_bytes: float, alpha:
     every call from j on: bucket j is ready at j b T / P (the last at T), a straight line in j
     before the last bucket, so the latest is at the first bucket, the one before the last, or the last.
     """
-    if not 0 < bucket_bytes:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes!r}")
+    for name, value in (("parameter_bytes", parameter_bytes), ("bucket_bytes", bucket_bytes),
+                        ("backward_seconds", backward_seconds)):
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     P, b, T = parameter_bytes, min(bucket_bytes, parameter_bytes), backward_seconds
     n = math.ceil(P / b)
     full, last = alpha + seconds_per_byte * b, alpha + seconds_per_byte * (P - (n - 1) * b)

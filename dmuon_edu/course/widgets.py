@@ -223,13 +223,17 @@ MAX_NODES = 128
 PUBLISHED_OVERHEAD = (0.017, 0.034)
 
 
-def predicted_steps(model: str, nodes: int, micro_batches: int) -> dict[str, tuple[float, float]]:
-    """{dmuon layout: (its predicted step, its AdamW peer's)} in seconds, on ``nodes`` nodes of 8 H100s (the time
-    model, dmuon.predict_step, with its H100 SXM preset)."""
+def _require_step_time_inputs(model: str, nodes: int, micro_batches: int) -> None:
     if model not in dmuon.MODELS:
         raise ValueError(f"model must be one of {', '.join(dmuon.MODELS)}, got {model!r}")
     _require_slider_value("nodes", nodes, MAX_NODES)
     _require_slider_value("micro_batches", micro_batches, COST_SLIDERS["N"])
+
+
+def predicted_steps(model: str, nodes: int, micro_batches: int) -> dict[str, tuple[float, float]]:
+    """{dmuon layout: (its predicted step, its AdamW peer's)} in seconds, on ``nodes`` nodes of 8 H100s (the time
+    model, dmuon.predict_step, with its H100 SXM preset)."""
+    _require_step_time_inputs(model, nodes, micro_batches)
 
     def step(layout):
         return dmuon.predict_step(dmuon.MODELS[model], dmuon.LAYOUTS[layout], world_size=nodes * GPUS_PER_NODE,
@@ -268,7 +272,7 @@ class StepTimeWidget(widgets.VBox):
     """A model, a node count and N, over :func:`step_time_figure`."""
 
     def __init__(self, model: str, nodes: int, micro_batches: int):
-        step_time_figure(model, nodes, micro_batches)  # refuses bad input before any control is built
+        _require_step_time_inputs(model, nodes, micro_batches)  # before any control is built
         self.model = widgets.Dropdown(options=list(dmuon.MODELS), value=model, description="model")
         self.nodes = widgets.IntSlider(value=nodes, min=1, max=MAX_NODES, description="nodes",
                                        continuous_update=False)

@@ -266,7 +266,7 @@ def _check_best_bucket_bytes(candidate: Callable) -> tuple[str, str]:
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0 or not math.isfinite(b):
             return "FAIL", f"return a bucket size in bytes, a positive number, got {b!r}"
         best, best_bytes = _best_exposed(P, alpha, per_byte, backward)
-        exposed = bucketed_exposed_seconds(P, min(b, P), alpha, per_byte, backward)
+        exposed = bucketed_exposed_seconds(P, b, alpha, per_byte, backward)  # b > P is one bucket
         if exposed <= best * (1 + BUCKET_TOLERANCE):
             continue
         cost = (f"{what}: {b / 1e6:.3g} MB leaves {exposed * 1e3:.1f} ms exposed, the best bucket "
