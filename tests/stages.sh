@@ -36,7 +36,7 @@ stage() {
 EMULATED_AVX2=(env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DMUON_EDU_NS_DTYPE=float32)
 EMULATED_TESTS=(tests/test_newton_schulz.py tests/test_muon.py tests/test_capstone.py tests/test_accumulation.py)
 EMULATED_IN_PROCESS_NOTEBOOKS=(solutions/04b_muon_optimizer.ipynb)
-EMULATED_LAUNCHING_NOTEBOOKS=(solutions/07_capstone.ipynb)
+EMULATED_LAUNCHING_NOTEBOOKS=(solutions/07a_capstone_problem.ipynb solutions/07b_capstone_dmuon.ipynb)
 # Modules 5 to 7 launch ranks with torchrun: their notebooks run one at a time (the ranks take both
 # cores). Modules 1 to 4 run in one process, mostly Python, on two workers.
 IN_PROCESS_NOTEBOOKS=() LAUNCHING_NOTEBOOKS=()

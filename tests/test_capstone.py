@@ -1,4 +1,5 @@
-"""Module 7's capstone: the data, its floor and the n-gram ladder, the accumulation guide's loop, and the dmuon runs on 2 ranks."""
+"""Module 7's capstone: the data, its floor and the n-gram ladder, the accumulation guide's loop, and the learner's
+training program with dmuon on 2 ranks (module 7b)."""
 
 import json
 import math
@@ -6,11 +7,11 @@ import math
 import pytest
 import torch
 
-from dmuon_edu.course import capstone, capstone_sweep
+from dmuon_edu.course import capstone, capstone_program, capstone_sweep, notebooks
 from dmuon_edu.course.capstone import (counted_bytes_per_step, local_microbatches, run_single_process,
                                        single_process_optimizers, train)
 from dmuon_edu.course.capstone_problem import NGRAMS, Capstone, ngram_loss
-from dmuon_edu.course.checks import run_check
+from dmuon_edu.course.checks import recorded_script_results, run_check
 from dmuon_edu.compare import max_parameter_difference
 from dmuon_edu.course.data import MarkovSource, context_numbers
 from dmuon_edu.course.gpt import is_hidden_matrix
@@ -18,6 +19,7 @@ from dmuon_edu.launch import torchrun
 from dmuon_edu.newton_schulz import NS_DTYPE_ENV
 
 SHORT = Capstone(steps=30)
+PROGRAM = notebooks.SOLUTION_SCRIPTS / "07_train_capstone.py"
 
 
 def test_the_entropy_rate_of_a_two_state_chain_has_its_closed_form():
@@ -274,28 +276,78 @@ def test_the_predicate_check_names_the_mistake(predicate, status, hint):
 
 
 @pytest.mark.torchrun
-def test_dmuon_runs_follow_single_process_muon_and_send_what_module_6_predicts(tmp_path):
-    steps = 3
+def test_the_benchmarks_dmuon_runs_send_and_hold_what_module_6_predicts(tmp_path):
+    # make bench's rows of counted bytes come from these runs; the learner's program (below) covers Z3 with no_sync
+    steps = 2
     path = tmp_path / "capstone.json"
-    torchrun(capstone.__file__, nproc=2, args=[path, "--steps", steps, "--modes", "Z2", "Z3", "Z3 without no_sync"],
+    torchrun(capstone.__file__, nproc=2, args=[path, "--steps", steps, "--modes", "Z2", "Z3 without no_sync"],
              echo=False, timeout=120)
     results = json.loads(path.read_text())
     reference = run_single_process(Capstone(steps=steps), "Muon", progress=False)
-    single_process_bytes = reference.held_bytes
     for mode, result in results.items():
         assert result["comm_per_step"]["broadcast"][1] == result["predicted_per_step"]["broadcast"], mode
         assert result["comm_per_step"]["reduce"][1] == result["predicted_per_step"]["reduce"], mode
         # bf16 Newton-Schulz on both sides; the sums run in another order.
         assert result["losses"] == pytest.approx(reference.losses, abs=2e-2), mode
-        assert all(held < single_process_bytes for held in result["held_bytes_per_rank"]), mode
+        assert all(held < reference.held_bytes for held in result["held_bytes_per_rank"]), mode
     p_m, k = results["Z2"]["P_M"], Capstone().accum_steps
     assert results["Z2"]["matrix_bytes_during_forward_per_rank"] == [p_m, p_m]  # Z2 keeps every matrix
-    for mode in ("Z2", "Z3"):  # inside no_sync every rank accumulates the gradient of every dedicated matrix
-        assert results[mode]["matrix_gradient_bytes_during_forward_per_rank"] == [p_m, p_m], mode
+    assert results["Z2"]["matrix_gradient_bytes_during_forward_per_rank"] == [p_m, p_m]  # no_sync: every gradient
     assert all(b < p_m for b in results["Z3 without no_sync"]["matrix_gradient_bytes_during_forward_per_rank"])
+    assert results["Z3 without no_sync"]["comm_per_step"]["reduce"][1] == k * p_m
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    """The solution of module 7b's training program on 2 ranks: its report, as notebook 7b's check cell recorded
+    it in this `make test` (checks.recorded_script_results), or from a launch of its own."""
+    if (report := recorded_script_results(PROGRAM, 2)) is None:
+        path = tmp_path_factory.mktemp("program") / "capstone.json"
+        torchrun(PROGRAM, nproc=2, args=[path], echo=False, timeout=180)
+        report = json.loads(path.read_text())
+    return report["measurements"] | {"status": report["status"]}
+
+
+@pytest.mark.torchrun
+def test_the_learners_program_follows_single_process_muon_at_every_step_and_resumes_exactly(program):
+    assert program["status"] == "PASS"
+    assert len(program["losses"]) == len(program["reference_losses"]) == Capstone().steps
+    # float32 Newton-Schulz on both sides, the sums in another order: measured 1.1e-6 apart at most
+    assert program["losses"] == pytest.approx(program["reference_losses"], abs=1e-5)
+    assert program["resume_returned"] == program["save_after"] == 100
+    assert program["resumed_losses"] == program["losses"][100:] and program["resumed_exactly"]
+    assert program["held_out_loss"] - Capstone().floor() < capstone_program.MARGIN
+
+
+@pytest.mark.torchrun
+def test_the_learners_program_sends_and_holds_what_module_6_predicts(program):
+    model = Capstone().model()
+    p_m = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if is_hidden_matrix(n, p))
+    world, layers, k = 2, Capstone().n_layer, Capstone().accum_steps
+    assert program["P_M"] == p_m
+    # the solution's Z3: 2N P_M broadcast a step, and with no_sync one reduce of P_M
+    assert program["comm_per_step"]["broadcast"][1] == 2 * k * p_m
+    assert program["comm_per_step"]["reduce"][1] == p_m
+    # inside no_sync every rank accumulates the gradient of every dedicated matrix
+    assert program["matrix_gradient_bytes_during_forward_per_rank"] == [p_m] * world
     # Z3 holds its own matrices, and while a layer runs that layer's (its equal layers are owned whole, one per
     # rank here): at most P_M / W + P_M / L, where Z2 holds P_M through the window
-    layers, world = Capstone().n_layer, len(results["Z3"]["held_bytes_per_rank"])
-    assert all(b <= p_m // world + p_m // layers for b in results["Z3"]["matrix_bytes_during_forward_per_rank"])
-    assert min(results["Z3"]["matrix_bytes_during_forward_per_rank"]) >= p_m // world  # its own, at least
-    assert results["Z3 without no_sync"]["comm_per_step"]["reduce"][1] == k * p_m
+    assert all(p_m // world <= b <= p_m // world + p_m // layers for b in program["matrix_bytes_during_forward_per_rank"])
+    one_process = run_single_process(Capstone(steps=2), "Muon", progress=False).held_bytes
+    assert all(held < one_process for held in program["held_bytes_per_rank"])
+
+
+def test_the_schedule_warms_up_then_falls_to_a_tenth():
+    factors = [capstone_program.lr_factor(step, 120) for step in range(121)]
+    assert factors[0] == pytest.approx(0.1) and factors[capstone_program.WARMUP - 1] == 1.0
+    assert factors[capstone_program.WARMUP] == 1.0 and factors[120] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(factors[capstone_program.WARMUP:], factors[capstone_program.WARMUP + 1:]))
+
+
+def test_the_layout_is_read_from_the_bytes():
+    p_m, k = 1000, 2
+    fsdp = {"all_gather": [1, 10], "reduce": [1, p_m]}
+    assert capstone_program.layout_of(fsdp | {"broadcast": [8, 2 * k * p_m]}, p_m, k) == "Z3"
+    assert capstone_program.layout_of(fsdp | {"broadcast": [2, p_m]}, p_m, k) == "Z2"
+    assert capstone_program.layout_of({"all_reduce": [1, 10], "broadcast": [2, p_m]}, p_m, k) == "the DDP backend"
+    assert capstone_program.layout_of(fsdp | {"broadcast": [4, k * p_m]}, p_m, k) is None

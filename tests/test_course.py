@@ -383,7 +383,9 @@ SELECTIONS = {
     "06b": (["06b_dmuon_no_sync_z2_z3"], _SCRIPTS_06B),
     "06c": (["06c_dmuon_uneven_data_and_checkpoints"], _SCRIPTS_06C),
     "06d": (["06d_timing_communication"], _SCRIPTS_06D),
-    "07": (["07_capstone"], []),
+    "07": (["07a_capstone_problem", "07b_capstone_dmuon"], ["07_train_capstone"]),
+    "07a": (["07a_capstone_problem"], []),
+    "07b": (["07b_capstone_dmuon"], ["07_train_capstone"]),
     "notebooks/06a_dmuon_owner_ranks.ipynb": (["06a_dmuon_owner_ranks"], _SCRIPTS_06A),
     "06_owners": ([], ["06_owners_only"]),
 }

@@ -103,12 +103,27 @@ EXPECTED = {
     "timer_mean_without_warm_up": ["the call ran 7 times, all timed", "make one untimed call first"],
     "timer_worst_repeat": ["the worst repeat, a hiccup of 80 ms"],
     "timer_total": ["the total of 7 repeats"],
+    "capstone_without_no_sync": ["the reduce to the owners ran every micro-batch", "2 x P_M = 196608 bytes",
+                                 "inside dmuon.no_sync(model)"],
+    "capstone_loss_not_divided": ["not divided by the window's length", "2x the window's mean", "from the reference"],
+    "capstone_torch_clip": ["torch.nn.utils.clip_grad_norm_ saw only the FSDP2 gradients", "from the reference",
+                            "dmuon.clip_grad_norm_(model, MAX_NORM)"],
+    "capstone_no_clip": ["no clipping", "from the reference", "dmuon.clip_grad_norm_(model, MAX_NORM)"],
+    "capstone_scheduler_per_micro_batch": ["the scheduler stepped once per micro-batch", "2 times too early"],
+    "capstone_scheduler_never_stepped": ["the learning rate never changed"],
+    "capstone_summed_loss_returned": ["train_step returned 2x the window's loss"],
+    "capstone_resume_without_scheduler": ["the schedule started over", "rate was 0.004 where the run's was 0.02",
+                                          "scheduler.state_dict()"],
+    "capstone_resume_weights_only": ["the resumed run is not the uninterrupted one", "the optimizer's state"],
+    "capstone_resume_counting_saves": ["resume returned 1, where the checkpoint holds step 8"],
 }
 
 # Honest alternatives to a script's answer, which its check must PASS.
 HONEST = {"packed_per_owner",  # 06_reduce_broadcast: one reduce and one broadcast per owner, as dmuon packs them
           "resume_step_from_adamw_state",  # 06_save_and_resume: the step AdamW's restored state counts
-          "timer_best_repeat"}  # 06_time_collectives: the fastest repeat of the slowest rank
+          "timer_best_repeat",  # 06_time_collectives: the fastest repeat of the slowest rank
+          "capstone_z2",  # 07_train_capstone: Z2 instead of Z3
+          "capstone_resume_step_from_folder"}  # 07_train_capstone: the DDP backend, the step from the folder's name
 
 
 SCRIPTS = sorted(notebooks.SOLUTION_SCRIPTS.glob("*.py"))

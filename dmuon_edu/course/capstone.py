@@ -1,5 +1,10 @@
 """Module 7, the capstone: a small GPT on a noisy copy task, trained with AdamW, Muon and dmuon (Z2, Z3).
 
+Notebook 7a trains in one process here. Notebook 7b's dmuon run is the learner's own
+program, which :mod:`dmuon_edu.course.capstone_program` runs and grades with the
+measurements here; this module's dmuon runs (``main``) give ``make bench`` its rows of
+counted bytes (benchmarks/run_all.py).
+
 Every run sees the same global batches: ``steps`` optimizer steps of ``accum_steps``
 micro-batches of ``global_microbatch`` sequences. A single process takes each
 micro-batch whole; on W ranks each rank takes its 1/W share of it, so that one
@@ -91,15 +96,17 @@ class RunResult:
 
 
 def single_process_optimizers(name: str, model: nn.Module, capstone: Capstone,
-                              predicate: Callable[[str, nn.Parameter], bool] = is_hidden_matrix):
-    """AdamW on everything, or Muon on the matrices ``predicate`` selects and AdamW on the rest."""
+                              predicate: Callable[[str, nn.Parameter], bool] = is_hidden_matrix,
+                              ns_dtype: torch.dtype | str = "auto"):
+    """AdamW on everything, or Muon on the matrices ``predicate`` selects (Newton-Schulz in ``ns_dtype``) and
+    AdamW on the rest."""
     if name == "AdamW":
         return [torch.optim.AdamW(model.parameters(), lr=capstone.adamw_lr)]
     if name != "Muon":
         raise ValueError(f"unknown optimizer {name!r}; use one of {OPTIMIZERS} (dmuon runs under torchrun)")
     matrices = [p for n, p in model.named_parameters() if predicate(n, p)]
     others = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    return [Muon(matrices, lr=capstone.muon_lr, adjust_lr_fn=capstone.muon_scale),
+    return [Muon(matrices, lr=capstone.muon_lr, adjust_lr_fn=capstone.muon_scale, ns_dtype=ns_dtype),
             torch.optim.AdamW(others, lr=capstone.adamw_lr)]
 
 

@@ -5,7 +5,8 @@ learner copies of the scripts, their exercises not done.
 
 Each solution script defines the learner's function and ``main(ranks)``, which grades it.
 For every wrong variant below this loads the script afresh, puts the variant in place of
-the learner's function, and runs ``main``; rank 0 prints ``MUTATION {json}`` with the
+the learner's function (or functions, where a mistake spans two, as a save and its resume),
+and runs ``main`` (with SHORT_RUNS' arguments where a script has them); rank 0 prints ``MUTATION {json}`` with the
 verdict (or the error the variant raised). Then it runs each learner copy's ``main``, and rank 0
 prints ``RAISED <script stem> <exception type on each rank>``: what the grader reads to report
 "not attempted" is a NotImplementedError. A prediction's script measures the given code in its
@@ -26,10 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
 
 from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.accumulation import IGNORE_INDEX, accumulation_windows, summed_token_loss
+from dmuon_edu.course.capstone_program import MAX_NORM, ProgramRun
 from dmuon_edu.course.dmuon_problem import broadcast_from_owners, guide_loop, per_rank
+from dmuon_edu.course.gpt import is_hidden_matrix
 from run_scripts import load
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "solutions" / "scripts"
@@ -544,6 +548,118 @@ def timer_best_repeat(call, repeats):
     return min(_timings(call, repeats))
 
 
+# --------------------------------------------------------------- 07_train_capstone: the training program
+def _capstone_step(model, optimizer, scheduler, window, *, no_sync=True, scale=True, clip="dmuon",
+                   schedule="per step"):
+    total = 0.0
+    for i, (inputs, targets) in enumerate(window):
+        last = i == len(window) - 1
+        with dmuon.no_sync(model) if no_sync and not last else contextlib.nullcontext():
+            loss = model(inputs, targets).loss / (len(window) if scale else 1)
+            loss.backward()
+        total += loss.item() / (1 if scale else len(window))
+        if schedule == "per micro-batch":
+            scheduler.step()
+    if clip == "dmuon":
+        dmuon.clip_grad_norm_(model, MAX_NORM)
+    elif clip == "torch":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    if schedule == "per step":
+        scheduler.step()
+    optimizer.zero_grad()
+    return total
+
+
+def capstone_without_no_sync(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, no_sync=False)
+
+
+def capstone_loss_not_divided(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, scale=False)
+
+
+def capstone_torch_clip(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, clip="torch")
+
+
+def capstone_no_clip(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, clip=None)
+
+
+def capstone_scheduler_per_micro_batch(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, schedule="per micro-batch")
+
+
+def capstone_scheduler_never_stepped(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, schedule=None)
+
+
+def capstone_summed_loss_returned(model, optimizer, scheduler, window):
+    return len(window) * _capstone_step(model, optimizer, scheduler, window)
+
+
+def _capstone_state(model, optimizer):
+    sharded = dmuon.StateDictOptions()
+    return {"model": dmuon.get_model_state_dict(model, sharded),
+            "optim": dmuon.get_optimizer_state_dict(model, optimizer, sharded)}
+
+
+def capstone_save_without_scheduler(model, optimizer, scheduler, path, step):
+    checkpoint.save(_capstone_state(model, optimizer), path, step=step)
+
+
+def capstone_resume_without_scheduler(model, optimizer, scheduler, root):
+    path = checkpoint.latest(root)
+    state = _capstone_state(model, optimizer)
+    checkpoint.load(state, path)
+    dmuon.set_model_state_dict(model, state["model"])
+    dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    return _step_of(path)
+
+
+def _capstone_resume(model, optimizer, scheduler, root, parts=("model", "optim", "scheduler")):
+    path = checkpoint.latest(root)
+    state = {**_capstone_state(model, optimizer), "scheduler": scheduler.state_dict()}
+    checkpoint.load(state, path)
+    if "model" in parts:
+        dmuon.set_model_state_dict(model, state["model"])
+    if "optim" in parts:
+        dmuon.set_optimizer_state_dict(model, optimizer, state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    return _step_of(path)
+
+
+def capstone_resume_weights_only(model, optimizer, scheduler, root):
+    return _capstone_resume(model, optimizer, scheduler, root, parts=("model",))
+
+
+def capstone_resume_counting_saves(model, optimizer, scheduler, root):
+    _capstone_resume(model, optimizer, scheduler, root)
+    return len([path for path in Path(root).iterdir() if checkpoint.is_complete(path)])
+
+
+def capstone_z2(model, mesh, hyperparameters):
+    """Honest: Z2, the matrices kept from the first forward to the step."""
+    dmuon.dedicate_params(model, mesh, predicate=is_hidden_matrix, reshard_after_forward=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return dmuon.Muon(model, **hyperparameters)
+
+
+def capstone_ddp_backend(model, mesh, hyperparameters):
+    """Honest: the DDP backend, every matrix whole on every rank, stepped by its owner."""
+    dmuon.dedicate_params_ddp(model, mesh, predicate=is_hidden_matrix)
+    dmuon.replicate(model, mesh)
+    return dmuon.Muon(model, **hyperparameters)
+
+
+def capstone_resume_step_from_folder(model, optimizer, scheduler, root):
+    """Honest: the step read from the folder's name."""
+    return _capstone_resume(model, optimizer, scheduler, root)
+
+
 MUTATIONS = [
     ("05_allreduce_by_hand", "average_gradients", all_reduce_per_parameter),
     ("05_allreduce_by_hand", "average_gradients", sum_not_divided),
@@ -608,7 +724,22 @@ MUTATIONS = [
     ("06_time_collectives", "slowest_median_seconds", timer_worst_repeat),
     ("06_time_collectives", "slowest_median_seconds", timer_total),
     ("06_time_collectives", "slowest_median_seconds", timer_best_repeat),
+    ("07_train_capstone", "train_step", capstone_without_no_sync),
+    ("07_train_capstone", "train_step", capstone_loss_not_divided),
+    ("07_train_capstone", "train_step", capstone_torch_clip),
+    ("07_train_capstone", "train_step", capstone_no_clip),
+    ("07_train_capstone", "train_step", capstone_scheduler_per_micro_batch),
+    ("07_train_capstone", "train_step", capstone_scheduler_never_stepped),
+    ("07_train_capstone", "train_step", capstone_summed_loss_returned),
+    ("07_train_capstone", ("save", "resume"), (capstone_save_without_scheduler, capstone_resume_without_scheduler)),
+    ("07_train_capstone", "resume", capstone_resume_weights_only),
+    ("07_train_capstone", "resume", capstone_resume_counting_saves),
+    ("07_train_capstone", "prepare", capstone_z2),
+    ("07_train_capstone", ("prepare", "resume"), (capstone_ddp_backend, capstone_resume_step_from_folder)),
 ]
+# A script's main(ranks) runs with these arguments here: the capstone's program on a short run (its
+# warm-up, its clipped first steps, a save and a resume), where every known mistake shows.
+SHORT_RUNS = {"07_train_capstone": {"run": ProgramRun(steps=12, save_after=8)}}
 
 
 def measured(module, script, runs, ranks):
@@ -628,9 +759,12 @@ def main():
     with distributed.session() as ranks:
         for script, function, variant in MUTATIONS:
             module = measured(load(SCRIPTS / f"{script}.py"), script, runs, ranks)
-            setattr(module, function, variant)
+            names, variants = (function, variant) if isinstance(function, tuple) else ((function,), (variant,))
+            for name, replacement in zip(names, variants):
+                setattr(module, name, replacement)
+            variant = variants[-1]
             try:
-                result = module.main(ranks)
+                result = module.main(ranks, **SHORT_RUNS.get(script, {}))
                 outcome = {"status": result.status, "message": result.message}
             except RuntimeError as error:
                 outcome = {"status": "RAISED", "message": str(error)}
