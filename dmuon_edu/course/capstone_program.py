@@ -58,8 +58,8 @@ __all__ = ["MAX_NORM", "WARMUP", "MARGIN", "LOSS_TOLERANCE", "ProgramRun", "lr_f
 MAX_NORM = 0.5  # the global gradient norm the program clips to
 WARMUP = 10  # optimizer steps of linear warm-up, then a cosine down to a tenth of the rate
 MARGIN = 0.05  # nats per token: how close to the floor the run must end
-# Float32 throughout, the sums in another order: the runs measured up to 1e-6 apart over 120 steps.
-# 1e-4 leaves a hundredfold margin for other CPUs' kernels; the smallest known mistake moves a loss by 1e-3.
+# Float32 throughout, the sums in another order: the runs measured up to 1.1e-6 apart over 120 steps.
+# 1e-4 leaves a hundredfold margin for other CPUs' kernels; every known mistake crosses it within four steps.
 LOSS_TOLERANCE = 1e-4
 
 
@@ -141,6 +141,8 @@ def _train(program, model, optimizer, scheduler, windows, steps, ranks, run: _Ru
                 loss = program.train_step(model, optimizer, scheduler, windows[step - 1])
         run.seconds.append(time.perf_counter() - start)
         run.warned += [str(w.message) for w in caught if str(w.message) not in run.warned]
+        if not isinstance(loss, (float, int, torch.Tensor)) or isinstance(loss, bool):
+            raise TypeError(f"train_step returned {type(loss).__name__}: return the window's mean loss, a float")
         mean = torch.tensor(float(loss), dtype=torch.float64)
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # equal shares: the mean of the ranks' means
         run.losses.append(mean.item())
