@@ -48,12 +48,13 @@ from dmuon_edu import distributed, dmuon
 from dmuon_edu.course.capstone import (counted_bytes_per_step, evaluate, held_bytes, local_microbatches,
                                        single_process_optimizers)
 from dmuon_edu.course.capstone_problem import Capstone
+from dmuon_edu.course.checks import CheckResult
 from dmuon_edu.course.dmuon_problem import ResidencyProbe, full_parameters, per_rank
 from dmuon_edu.course.gpt import is_hidden_matrix
 from dmuon_edu.course.threads import one_thread
 
 __all__ = ["MAX_NORM", "WARMUP", "MARGIN", "LOSS_TOLERANCE", "ProgramRun", "lr_factor", "hyperparameters",
-           "reference_run", "run_program", "grade"]
+           "reference_run", "run_program", "layout_of", "grade", "report"]
 
 MAX_NORM = 0.5  # the global gradient norm the program clips to
 WARMUP = 10  # optimizer steps of linear warm-up, then a cosine down to a tenth of the rate
@@ -332,10 +333,8 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
     return findings
 
 
-def report(result: dict, run: ProgramRun, argv: list[str]) -> "CheckResult":
+def report(result: dict, run: ProgramRun, argv: list[str]) -> CheckResult:
     """Print, on rank 0, what the run did and the verdict; write ``result`` to ``argv[0]`` where given."""
-    from dmuon_edu.course.checks import CheckResult  # the checks import this module's grades
-
     capstone = run.capstone()
     findings = grade(result, capstone, MARGIN if run.steps >= Capstone.steps else None)
     n, p_m, comm = result["accum_steps"], result["P_M"], result["comm_per_step"]
