@@ -31,17 +31,18 @@ stage() {
 # Each pytest run lists its 10 costliest tests or cells (docs/benchmarks.md keeps a table of them).
 # The numerically sensitive tests and notebooks run a second time as a CPU without native bf16 computes
 # them (most laptops): torch's AVX2 kernels, and the Newton-Schulz dtype such a CPU's dtype="auto" takes.
-# The CPU's flags ignore the kernel variables, hence DMUON_EDU_NS_DTYPE. Those notebooks run only so
-# (4a runs Newton-Schulz only in the float32 or float64 its cells name: it runs natively).
+# The CPU's flags ignore the kernel variables, hence DMUON_EDU_NS_DTYPE. Those notebooks run only so, on the
+# two workers (4a runs Newton-Schulz only in the float32 or float64 its cells name: it runs natively).
 EMULATED_AVX2=(env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DMUON_EDU_NS_DTYPE=float32)
 EMULATED_TESTS=(tests/test_newton_schulz.py tests/test_muon.py tests/test_capstone.py tests/test_accumulation.py)
-EMULATED_IN_PROCESS_NOTEBOOKS=(solutions/04b_muon_optimizer.ipynb)
-EMULATED_LAUNCHING_NOTEBOOKS=(solutions/07a_capstone_problem.ipynb solutions/07b_capstone_dmuon.ipynb)
+# 7b runs natively, with the launching notebooks: its program runs Newton-Schulz in float32 on either kernel set,
+# and the record it leaves is what tests/test_capstone.py reads in the torchrun stage.
+EMULATED_NOTEBOOKS=(solutions/04b_muon_optimizer.ipynb solutions/07a_capstone_problem.ipynb)
 # Modules 5 to 7 launch ranks with torchrun: their notebooks run one at a time (the ranks take both
 # cores). Modules 1 to 4 run in one process, mostly Python, on two workers.
 IN_PROCESS_NOTEBOOKS=() LAUNCHING_NOTEBOOKS=()
 for notebook in solutions/*.ipynb; do
-    [[ " ${EMULATED_IN_PROCESS_NOTEBOOKS[*]} ${EMULATED_LAUNCHING_NOTEBOOKS[*]} " == *" $notebook "* ]] && continue
+    [[ " ${EMULATED_NOTEBOOKS[*]} " == *" $notebook "* ]] && continue
     case $notebook in solutions/0[5-7]*) LAUNCHING_NOTEBOOKS+=("$notebook") ;; *) IN_PROCESS_NOTEBOOKS+=("$notebook") ;; esac
 done
 PYTEST=(-m pytest -q -p no:cacheprovider --durations=10)
@@ -95,9 +96,9 @@ stage "in-process: unit tests, notebooks 1-4 (2 workers)" 110 \
     "${ONE_THREAD_EACH[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun and not serial and not after_nbval" \
     tests "${IN_PROCESS_NOTEBOOKS[@]}"
 
-# The notebooks of modules 5 and 6 launch their scripts with torchrun: one at a time, before the torchrun
+# The notebooks of modules 5 to 7b launch their scripts with torchrun: one at a time, before the torchrun
 # tests, which read the scripts' reports they leave in RUN_DIR.
-stage "launching notebooks 5-6 (nbval, one at a time)" 145 \
+stage "launching notebooks 5-7b (nbval, one at a time)" 155 \
     $PY "${PYTEST[@]}" "${NBVAL[@]}" "${LAUNCHING_NOTEBOOKS[@]}"
 
 # Launches, and the hang guards (marked serial) in the same process: no xdist worker beside either, and
@@ -105,13 +106,12 @@ stage "launching notebooks 5-6 (nbval, one at a time)" 145 \
 stage "torchrun tests and hang guards (serial)" 320 \
     $PY "${PYTEST[@]}" -m "torchrun or serial or after_nbval" tests
 
-emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then the tests, then the notebooks
+emulated() {  # the machine as emulated (its bf16 matmul rate falls ~40x), then the tests and notebooks
     local rc=0
     # The variables are set on each process at its start; xdist's workers and the kernels inherit them.
     "${EMULATED_AVX2[@]}" $PY -c 'import sys; sys.path.insert(0, "benchmarks"); import machine; print(machine.describe())' || rc=1
     "${EMULATED_AVX2[@]}" "${ONE_THREAD_EACH[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${TWO_WORKERS[@]}" -m "not torchrun" \
-        "${EMULATED_TESTS[@]}" "${EMULATED_IN_PROCESS_NOTEBOOKS[@]}" || rc=1
-    "${EMULATED_AVX2[@]}" $PY "${PYTEST[@]}" "${NBVAL[@]}" "${EMULATED_LAUNCHING_NOTEBOOKS[@]}" || rc=1
+        "${EMULATED_TESTS[@]}" "${EMULATED_NOTEBOOKS[@]}" || rc=1
     return $rc
 }
 stage "emulated AVX2 CPU: numerics and their notebooks" 90 emulated
