@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon_edu import distributed, dmuon
+from dmuon_edu import checkpoint, distributed, dmuon
 from dmuon_edu.course.capstone import (counted_bytes_per_step, evaluate, held_bytes, local_microbatches,
                                        single_process_optimizers)
 from dmuon_edu.course.capstone_problem import Capstone
@@ -144,7 +144,7 @@ def _train(program, model, optimizer, scheduler, windows, steps, ranks, run: _Ru
         run.warned += [str(w.message) for w in caught if str(w.message) not in run.warned]
         if not isinstance(loss, (float, int, torch.Tensor)) or isinstance(loss, bool):
             raise TypeError(f"train_step returned {type(loss).__name__}: return the window's mean loss, a float")
-        mean = torch.tensor(float(loss), dtype=torch.float64)
+        mean = torch.tensor(float(loss), dtype=torch.float64, device=ranks.device)  # NCCL takes GPU tensors
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # equal shares: the mean of the ranks' means
         run.losses.append(mean.item())
         run.lrs.append(float(optimizer.param_groups[0]["lr"]))
@@ -188,6 +188,8 @@ def _resumed(program, ranks, mesh, capstone, windows, run, root):
     optimizer, scheduler = _prepared(program, model, mesh, capstone)
     resumed = _Run()
     returned = program.resume(model, optimizer, scheduler, root)
+    if len({repr(value) for value in per_rank(returned)}) > 1:  # the ranks would train different steps, and hang
+        returned = "a different step on each rank"
     start = returned if isinstance(returned, int) and 0 <= returned < capstone.steps else run.save_after
     with one_thread():
         _train(program, model, optimizer, scheduler, windows, range(start + 1, capstone.steps + 1), ranks, resumed)
@@ -209,8 +211,11 @@ def run_program(program, ranks, mesh, run: ProgramRun = ProgramRun()) -> dict:
 
     try:
         whole, counts, memory, held_out_loss = _uninterrupted(program, ranks, mesh, capstone, windows, run, root)
-        resumed, returned = _resumed(program, ranks, mesh, capstone, windows, run, root)
-        dist.barrier()  # every rank has read the checkpoint
+        found = checkpoint.latest(root)  # what a new job would find: not a value the old one left in memory
+        found = found is not None and found.name == f"step-{run.save_after}"
+        resumed, returned = (_resumed(program, ranks, mesh, capstone, windows, run, root) if found else
+                             (_Run(), "nothing: there was no checkpoint to resume from"))
+        dist.barrier()  # no rank reads the folder any more
     finally:
         if ranks.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
@@ -218,7 +223,8 @@ def run_program(program, ranks, mesh, run: ProgramRun = ProgramRun()) -> dict:
     return {
         "steps": steps,
         "save_after": run.save_after,
-        "resume_returned": returned if isinstance(returned, int) else repr(returned),  # for JSON
+        "resume_returned": returned if isinstance(returned, int) else str(returned),  # for JSON
+        "checkpoint_found": found,
         "losses": whole.losses,
         "lrs": whole.lrs,
         "resumed_losses": resumed.losses,
@@ -229,7 +235,7 @@ def run_program(program, ranks, mesh, run: ProgramRun = ProgramRun()) -> dict:
         "reference_losses": reference_run(capstone),
         "floor": capstone.floor(),
         "held_out_loss": held_out_loss,
-        "step_seconds": statistics.median(whole.seconds[1:]),  # the first creates the optimizer's state
+        "step_seconds": statistics.median(whole.seconds[1:] or whole.seconds),  # the first creates the state
         "held_bytes_per_rank": [t[0] for t in memory],
         "matrix_bytes_during_forward_per_rank": [t[1] for t in memory],
         "matrix_gradient_bytes_during_forward_per_rank": [t[2] for t in memory],
@@ -263,18 +269,18 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
     base = capstone.muon_lr
     # The schedule, read from the rate after each step.
     scheduled = [base * lr_factor(step, steps) for step in range(1, steps + 1)]
-    if _first_apart(result["lrs"], scheduled, 1e-9 * base):
+    if off_schedule := _first_apart(result["lrs"], scheduled, 1e-9 * base):
         per_micro_batch = [base * lr_factor(n * step, steps) for step in range(1, steps + 1)]
         if not _first_apart(result["lrs"], per_micro_batch, 1e-9 * base):
             smallest = next(step for step, lr in enumerate(per_micro_batch, start=1) if lr == min(per_micro_batch))
             findings.append(f"the scheduler stepped once per micro-batch, {n} times a step: the warm-up ended "
-                            f"{n} times too early, and from step {smallest + 1} of {steps} the run crawled at the "
+                            f"{n} times too early, and from step {smallest} of {steps} the run crawled at the "
                             f"schedule's last rate. Step it once per optimizer step, after optimizer.step()")
         elif len(set(result["lrs"])) == 1:
             findings.append("the learning rate never changed: call scheduler.step() once per optimizer step, after "
                             "optimizer.step()")
         else:
-            step, _ = _first_apart(result["lrs"], scheduled, 1e-9 * base)
+            step, _ = off_schedule
             findings.append(f"after step {step} the rate was {result['lrs'][step - 1]:.3g}, where the schedule gives "
                             f"{scheduled[step - 1]:.3g}: step the scheduler once per optimizer step")
     # Every step's loss against the single-process reference.
@@ -283,11 +289,15 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
         step, difference = apart
         ratio = result["losses"][step - 1] / result["reference_losses"][step - 1]
         if abs(ratio - n) < 0.1:
-            findings.append(f"train_step returned {n}x the window's loss: return the mean of its micro-batches' "
-                            "losses, the number the reference prints")
+            findings.append(f"train_step returned {n}x the window's loss: return this rank's mean of its "
+                            "micro-batches' losses (not their sum, nor a sum over ranks: the check averages the ranks)")
+        elif any("before `optimizer.step()`" in warning for warning in result["warnings"]):
+            findings.append(f"the scheduler moved before optimizer.step(): every step ran at the next step's rate, "
+                            f"and step {step}'s loss is {difference:.2g} from the reference. Call scheduler.step() "
+                            "after optimizer.step()")
         elif any("clip" in warning for warning in result["warnings"]):
-            findings.append(f"torch.nn.utils.clip_grad_norm_ saw only the FSDP2 gradients, not the matrices' (they live "
-                            f"on their owners): the clip measured too small a norm, and step {step}'s loss is "
+            findings.append(f"torch.nn.utils.clip_grad_norm_ saw only the gradients in p.grad, not the matrices' (they "
+                            f"live on their owners): the clip measured too small a norm, and step {step}'s loss is "
                             f"{difference:.2g} from the reference. Clip with dmuon.clip_grad_norm_(model, MAX_NORM)")
         elif not _first_apart(result["losses"], reference_run(capstone, clip=False), LOSS_TOLERANCE):
             findings.append(f"no clipping: the global gradient norm is above {MAX_NORM} at step 1, and step {step}'s "
@@ -311,14 +321,20 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
         findings.append(f"the reduce sent {reduce} bytes a step, where dmuon with no_sync sends P_M = {p_m}")
     if layout_of(comm, p_m, n) is None:
         findings.append(f"the broadcasts sent {comm.get('broadcast', [0, 0])[1]} bytes a step, which is no layout's: "
-                        f"Z3 sends 2N P_M = {2 * n * p_m}, Z2 and the DDP backend P_M = {p_m}")
+                        f"Z3 sends 2N P_M = {2 * n * p_m}, Z2 and the DDP backend P_M = {p_m}, for the matrices "
+                        "is_hidden_matrix picks: dedicate those")
     # The resume.
     returned = result["resume_returned"]
-    if returned != saved:
+    if not result["checkpoint_found"]:
+        findings.append(f"checkpoint.latest(root) finds no checkpoint of step {saved}: a new job could not resume. Save "
+                        f"with dmuon_edu.checkpoint.save(state, path, step=step), which marks it complete")
+    elif not isinstance(returned, int) or isinstance(returned, bool):
+        findings.append(f"resume returned {returned}, where the checkpoint holds step {saved}: return that step, an int")
+    elif returned != saved:
         findings.append(f"resume returned {returned}, where the checkpoint holds step {saved}: the run would go on "
                         f"from the wrong window. Return the step the checkpoint was saved at")
-    elif _first_apart(result["resumed_lrs"], result["lrs"][saved:], 1e-12):
-        step, _ = _first_apart(result["resumed_lrs"], result["lrs"][saved:], 1e-12)
+    elif restarted := _first_apart(result["resumed_lrs"], result["lrs"][saved:], 1e-12):
+        step, _ = restarted
         findings.append(f"after resuming, step {saved + step}'s rate was {result['resumed_lrs'][step - 1]:.3g} where "
                         f"the run's was {result['lrs'][saved + step - 1]:.3g}: the schedule started over. Save "
                         "scheduler.state_dict() with the checkpoint and load it in resume")
@@ -340,13 +356,14 @@ def report(result: dict, run: ProgramRun, argv: list[str]) -> CheckResult:
     n, p_m, comm = result["accum_steps"], result["P_M"], result["comm_per_step"]
     layout = layout_of(comm, p_m, n)
     worst = max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"]))
-    distributed.print0(f"layout: {layout or 'not one of dmuon'}; {result['steps']} optimizer steps of {n} micro-batches")
+    shown = layout or "not one of dmuon's"
+    distributed.print0(f"layout: {shown}; {result['steps']} optimizer steps of {n} micro-batches")
     distributed.print0(f"every step's loss within {LOSS_TOLERANCE:g} of single-process Muon's: "
                        f"{'yes' if worst < LOSS_TOLERANCE else 'no, up to ' + format(worst, '.2g')}")
     for op in ("broadcast", "reduce"):
         calls, nbytes = comm.get(op, [0, 0])
         distributed.print0(f"{op} per step: {calls} calls, {nbytes} bytes = {nbytes / p_m:g} P_M")
-    distributed.print0(f"resumed after step {result['save_after']}: the next {len(result['resumed_losses'])} steps "
+    distributed.print0(f"saved after step {result['save_after']}, resume returned {result['resume_returned']}: the next {len(result['resumed_losses'])} steps "
                        f"{'bit for bit' if result['resumed_exactly'] else 'NOT'} the uninterrupted run's")
     distributed.print0(f"held-out loss {result['held_out_loss']:.2f}, "
                        f"{result['held_out_loss'] - result['floor']:.2f} above the floor")

@@ -24,28 +24,32 @@ from dmuon_edu.course.gpt import is_hidden_matrix
 
 def prepare(model, mesh, hyperparameters):
     """Set ``model`` up for dmuon on ``mesh`` in the layout you choose (Z2, Z3 or the DDP backend), with
-    ``is_hidden_matrix`` choosing the matrices; return ``dmuon.Muon(model, **hyperparameters)``."""
+    ``is_hidden_matrix`` choosing the matrices; return ``dmuon.Muon(model, **hyperparameters)``.
+
+    ``model.layers`` holds the GPT's blocks."""
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
 
 def train_step(model, optimizer, scheduler, window):
     """One optimizer step over ``window``, a list of this rank's (inputs, targets) micro-batches.
 
-    The gradient is the window's mean, clipped to a global norm of MAX_NORM; the scheduler
-    moves once per optimizer step. Return the mean of the micro-batches' losses, a float.
-    ``model(inputs, targets).loss`` is a micro-batch's mean loss.
+    The gradient is the window's mean; all but its last micro-batch run inside
+    ``dmuon.no_sync(model)``. Clip to a global norm of MAX_NORM, step, then move the
+    scheduler once. ``model(inputs, targets).loss`` is a micro-batch's mean loss. Return
+    this rank's mean of the micro-batches' losses, a float (the check averages the ranks).
     """
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
 
 def save(model, optimizer, scheduler, path, step):
-    """Save everything the run needs to go on after ``step`` into the folder ``path``."""
+    """Save everything the run needs to go on after ``step`` into the folder ``path``, with dmuon_edu.checkpoint
+    (``help(checkpoint)`` shows the flow), so that ``checkpoint.latest`` finds it."""
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
 
 def resume(model, optimizer, scheduler, root):
     """Restore, into the fresh ``model``, ``optimizer`` and ``scheduler``, the newest checkpoint that ``save``
-    wrote under ``root``; return the step it was saved at."""
+    wrote under ``root``; return the step it was saved at, an int (``main`` trains on from the next)."""
     raise NotImplementedError("Exercise: replace this line with your code (the docstrings say what to do), then run the notebook's check cell.")
 
 

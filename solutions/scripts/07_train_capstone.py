@@ -24,7 +24,9 @@ from dmuon_edu.course.gpt import is_hidden_matrix
 
 def prepare(model, mesh, hyperparameters):
     """Set ``model`` up for dmuon on ``mesh`` in the layout you choose (Z2, Z3 or the DDP backend), with
-    ``is_hidden_matrix`` choosing the matrices; return ``dmuon.Muon(model, **hyperparameters)``."""
+    ``is_hidden_matrix`` choosing the matrices; return ``dmuon.Muon(model, **hyperparameters)``.
+
+    ``model.layers`` holds the GPT's blocks."""
     ### BEGIN SOLUTION
     dmuon.dedicate_params(model, mesh, predicate=is_hidden_matrix, reshard_after_forward=True)  # Z3
     for layer in model.layers:
@@ -37,9 +39,10 @@ def prepare(model, mesh, hyperparameters):
 def train_step(model, optimizer, scheduler, window):
     """One optimizer step over ``window``, a list of this rank's (inputs, targets) micro-batches.
 
-    The gradient is the window's mean, clipped to a global norm of MAX_NORM; the scheduler
-    moves once per optimizer step. Return the mean of the micro-batches' losses, a float.
-    ``model(inputs, targets).loss`` is a micro-batch's mean loss.
+    The gradient is the window's mean; all but its last micro-batch run inside
+    ``dmuon.no_sync(model)``. Clip to a global norm of MAX_NORM, step, then move the
+    scheduler once. ``model(inputs, targets).loss`` is a micro-batch's mean loss. Return
+    this rank's mean of the micro-batches' losses, a float (the check averages the ranks).
     """
     ### BEGIN SOLUTION
     total = 0.0
@@ -58,7 +61,8 @@ def train_step(model, optimizer, scheduler, window):
 
 
 def save(model, optimizer, scheduler, path, step):
-    """Save everything the run needs to go on after ``step`` into the folder ``path``."""
+    """Save everything the run needs to go on after ``step`` into the folder ``path``, with dmuon_edu.checkpoint
+    (``help(checkpoint)`` shows the flow), so that ``checkpoint.latest`` finds it."""
     ### BEGIN SOLUTION
     sharded = dmuon.StateDictOptions()
     state = {"model": dmuon.get_model_state_dict(model, sharded),
@@ -70,7 +74,7 @@ def save(model, optimizer, scheduler, path, step):
 
 def resume(model, optimizer, scheduler, root):
     """Restore, into the fresh ``model``, ``optimizer`` and ``scheduler``, the newest checkpoint that ``save``
-    wrote under ``root``; return the step it was saved at."""
+    wrote under ``root``; return the step it was saved at, an int (``main`` trains on from the next)."""
     ### BEGIN SOLUTION
     path = checkpoint.latest(root)
     sharded = dmuon.StateDictOptions()

@@ -564,6 +564,8 @@ def _capstone_step(model, optimizer, scheduler, window, *, no_sync=True, scale=T
         dmuon.clip_grad_norm_(model, MAX_NORM)
     elif clip == "torch":
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    if schedule == "before step":
+        scheduler.step()
     optimizer.step()
     if schedule == "per step":
         scheduler.step()
@@ -591,6 +593,10 @@ def capstone_scheduler_per_micro_batch(model, optimizer, scheduler, window):
     return _capstone_step(model, optimizer, scheduler, window, schedule="per micro-batch")
 
 
+def capstone_scheduler_before_step(model, optimizer, scheduler, window):
+    return _capstone_step(model, optimizer, scheduler, window, schedule="before step")
+
+
 def capstone_scheduler_never_stepped(model, optimizer, scheduler, window):
     return _capstone_step(model, optimizer, scheduler, window, schedule=None)
 
@@ -607,6 +613,10 @@ def _capstone_state(model, optimizer):
 
 def capstone_save_without_scheduler(model, optimizer, scheduler, path, step):
     checkpoint.save(_capstone_state(model, optimizer), path, step=step)
+
+
+def capstone_save_without_step(model, optimizer, scheduler, path, step):
+    checkpoint.save({**_capstone_state(model, optimizer), "scheduler": scheduler.state_dict()}, path)
 
 
 def capstone_resume_without_scheduler(model, optimizer, scheduler, root):
@@ -779,9 +789,11 @@ MUTATIONS = [
     ("07_train_capstone", "train_step", capstone_torch_clip),
     ("07_train_capstone", "train_step", capstone_no_clip),
     ("07_train_capstone", "train_step", capstone_scheduler_per_micro_batch),
+    ("07_train_capstone", "train_step", capstone_scheduler_before_step),
     ("07_train_capstone", "train_step", capstone_scheduler_never_stepped),
     ("07_train_capstone", "train_step", capstone_summed_loss_returned),
     ("07_train_capstone", ("save", "resume"), (capstone_save_without_scheduler, capstone_resume_without_scheduler)),
+    ("07_train_capstone", "save", capstone_save_without_step),
     ("07_train_capstone", "resume", capstone_resume_weights_only),
     ("07_train_capstone", "resume", capstone_resume_counting_saves),
     # Honest: each function two other ways, three runs (the verdict is named for the last function replaced).
