@@ -332,7 +332,8 @@ def test_the_learners_program_sends_and_holds_what_module_6_predicts(program):
     assert program["matrix_gradient_bytes_during_forward_per_rank"] == [p_m] * world
     # Z3 holds its own matrices, and while a layer runs that layer's (its equal layers are owned whole, one per
     # rank here): at most P_M / W + P_M / L, where Z2 holds P_M through the window
-    assert all(p_m // world <= b <= p_m // world + p_m // layers for b in program["matrix_bytes_during_forward_per_rank"])
+    during_forward = program["matrix_bytes_during_forward_per_rank"]
+    assert all(p_m // world <= b <= p_m // world + p_m // layers for b in during_forward)
     one_process = run_single_process(Capstone(steps=2), "Muon", progress=False).held_bytes
     assert all(held < one_process for held in program["held_bytes_per_rank"])
 
@@ -351,3 +352,19 @@ def test_the_layout_is_read_from_the_bytes():
     assert capstone_program.layout_of(fsdp | {"broadcast": [2, p_m]}, p_m, k) == "Z2"
     assert capstone_program.layout_of({"all_reduce": [1, 10], "broadcast": [2, p_m]}, p_m, k) == "the DDP backend"
     assert capstone_program.layout_of(fsdp | {"broadcast": [4, k * p_m]}, p_m, k) is None
+
+
+@pytest.mark.parametrize("arguments, error, words", [
+    (dict(steps=12, save_after=12), ValueError, "save_after must be an int between 1 and 11"),
+    (dict(steps=12, save_after=0), ValueError, "save_after must be an int between 1 and 11"),
+    (dict(steps=1, save_after=1), ValueError, "steps must be an int >= 2"),
+    (dict(steps=12.0), TypeError, "steps must be an int"),
+])
+def test_a_program_run_that_cannot_save_and_resume_is_refused(arguments, error, words):
+    with pytest.raises(error, match=words):
+        capstone_program.ProgramRun(**arguments)
+
+
+def test_the_schedule_refuses_a_negative_step():
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        capstone_program.lr_factor(-1, 120)

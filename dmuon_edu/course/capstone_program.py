@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon_edu import checkpoint, distributed, dmuon
+from dmuon_edu.arguments import require_int
 from dmuon_edu.course.capstone import (counted_bytes_per_step, evaluate, held_bytes, local_microbatches,
                                        single_process_optimizers)
 from dmuon_edu.course.capstone_problem import Capstone
@@ -71,12 +72,24 @@ class ProgramRun:
     steps: int = Capstone.steps
     save_after: int = 100
 
+    def __post_init__(self):
+        require_int("steps", self.steps, minimum=2, hint="the run saves after one step and resumes for another")
+        require_int("save_after", self.save_after, minimum=1, maximum=self.steps - 1,
+                    hint="a step before the last, so that the resumed run has steps to take")
+
     def capstone(self) -> Capstone:
         return Capstone(steps=self.steps)
+
+    @property
+    def margin(self) -> float | None:
+        """How close to the floor the run must end: MARGIN for the whole run, nothing for a shorter one."""
+        return MARGIN if self.steps >= Capstone.steps else None
 
 
 def lr_factor(step: int, steps: int) -> float:
     """The schedule: the fraction of the base rate for optimizer step ``step + 1`` (``step`` taken so far)."""
+    require_int("step", step, minimum=0, hint="the optimizer steps taken so far")
+    require_int("steps", steps, minimum=1, hint="the optimizer steps of the whole run")
     if step < WARMUP:
         return (step + 1) / WARMUP
     progress = min(1.0, (step - WARMUP) / max(1, steps - WARMUP))
@@ -128,7 +141,7 @@ class _Run:
     losses: list[float] = field(default_factory=list)  # the global mean loss of each step, as train_step returned it
     lrs: list[float] = field(default_factory=list)  # Muon's rate after each step's train_step
     seconds: list[float] = field(default_factory=list)
-    warned: list[str] = field(default_factory=list)  # dmuon's warnings, each once
+    warned: list[str] = field(default_factory=list)  # the warnings train_step raised (dmuon's, torch's), each once
     parameters: list[torch.Tensor] = field(default_factory=list)  # at the end, whole
 
 
@@ -256,10 +269,11 @@ def layout_of(comm_per_step: dict, p_m: int, accum_steps: int) -> str | None:
     return "the DDP backend" if broadcast == z2 else None
 
 
-def _first_apart(measured, expected, tolerance):
-    """(step, difference) where ``measured`` first leaves ``expected`` by ``tolerance`` or more; None if never."""
+def _first_apart(measured, expected, tolerance=0.0):
+    """(step, difference) where ``measured`` first leaves ``expected`` by more than ``tolerance`` (0: any
+    difference; a NaN always), or None."""
     return next(((step, abs(a - b)) for step, (a, b) in enumerate(zip(measured, expected), start=1)
-                 if not abs(a - b) < tolerance), None)
+                 if not abs(a - b) <= tolerance), None)
 
 
 def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
@@ -267,7 +281,8 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
     findings = []
     n, p_m, steps, saved = result["accum_steps"], result["P_M"], result["steps"], result["save_after"]
     base = capstone.muon_lr
-    # The schedule, read from the rate after each step.
+    # The schedule, read from the rate after each step: LambdaLR computes the same product, base * factor;
+    # 1e-9 of the rate allows it another rounding, and every wrong schedule moves a rate by 10% or more.
     scheduled = [base * lr_factor(step, steps) for step in range(1, steps + 1)]
     if off_schedule := _first_apart(result["lrs"], scheduled, 1e-9 * base):
         per_micro_batch = [base * lr_factor(n * step, steps) for step in range(1, steps + 1)]
@@ -326,20 +341,21 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
     # The resume.
     returned = result["resume_returned"]
     if not result["checkpoint_found"]:
-        findings.append(f"checkpoint.latest(root) finds no checkpoint of step {saved}: a new job could not resume. Save "
-                        f"with dmuon_edu.checkpoint.save(state, path, step=step), which marks it complete")
+        findings.append(f"checkpoint.latest(root) finds no checkpoint of step {saved}: a new job could not resume. "
+                        "Save with dmuon_edu.checkpoint.save(state, path, step=step), which marks it complete")
     elif not isinstance(returned, int) or isinstance(returned, bool):
-        findings.append(f"resume returned {returned}, where the checkpoint holds step {saved}: return that step, an int")
+        findings.append(f"resume returned {returned}, where the checkpoint holds step {saved}: return that step, "
+                        "an int")
     elif returned != saved:
         findings.append(f"resume returned {returned}, where the checkpoint holds step {saved}: the run would go on "
                         f"from the wrong window. Return the step the checkpoint was saved at")
-    elif restarted := _first_apart(result["resumed_lrs"], result["lrs"][saved:], 1e-12):
+    elif restarted := _first_apart(result["resumed_lrs"], result["lrs"][saved:]):  # bit for bit
         step, _ = restarted
         findings.append(f"after resuming, step {saved + step}'s rate was {result['resumed_lrs'][step - 1]:.3g} where "
                         f"the run's was {result['lrs'][saved + step - 1]:.3g}: the schedule started over. Save "
                         "scheduler.state_dict() with the checkpoint and load it in resume")
     elif not result["resumed_exactly"] or result["resumed_losses"] != result["losses"][saved:]:
-        apart = _first_apart(result["resumed_losses"], result["losses"][saved:], 1e-300) or (steps - saved, 0.0)
+        apart = _first_apart(result["resumed_losses"], result["losses"][saved:]) or (steps - saved, 0.0)
         findings.append(f"the resumed run is not the uninterrupted one: step {saved + apart[0]}'s loss is "
                         f"{apart[1]:.2g} from it. Restore the model and the optimizer's state, as module 6c does")
     # The target.
@@ -352,7 +368,7 @@ def grade(result: dict, capstone: Capstone, margin: float | None) -> list[str]:
 def report(result: dict, run: ProgramRun, argv: list[str]) -> CheckResult:
     """Print, on rank 0, what the run did and the verdict; write ``result`` to ``argv[0]`` where given."""
     capstone = run.capstone()
-    findings = grade(result, capstone, MARGIN if run.steps >= Capstone.steps else None)
+    findings = grade(result, capstone, run.margin)
     n, p_m, comm = result["accum_steps"], result["P_M"], result["comm_per_step"]
     layout = layout_of(comm, p_m, n)
     worst = max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"]))
@@ -363,8 +379,9 @@ def report(result: dict, run: ProgramRun, argv: list[str]) -> CheckResult:
     for op in ("broadcast", "reduce"):
         calls, nbytes = comm.get(op, [0, 0])
         distributed.print0(f"{op} per step: {calls} calls, {nbytes} bytes = {nbytes / p_m:g} P_M")
-    distributed.print0(f"saved after step {result['save_after']}, resume returned {result['resume_returned']}: the next {len(result['resumed_losses'])} steps "
-                       f"{'bit for bit' if result['resumed_exactly'] else 'NOT'} the uninterrupted run's")
+    exact = "bit for bit" if result["resumed_exactly"] else "NOT"
+    distributed.print0(f"saved after step {result['save_after']}, resume returned {result['resume_returned']}: "
+                       f"the next {len(result['resumed_losses'])} steps {exact} the uninterrupted run's")
     distributed.print0(f"held-out loss {result['held_out_loss']:.2f}, "
                        f"{result['held_out_loss'] - result['floor']:.2f} above the floor")
     if findings:
@@ -373,7 +390,7 @@ def report(result: dict, run: ProgramRun, argv: list[str]) -> CheckResult:
     else:
         verdict = CheckResult("07_train_capstone", "PASS", f"{layout}: every step as single-process Muon's, the "
                               "bytes module 6 predicts, an exact resume" +
-                              (", and the floor reached" if run.steps >= Capstone.steps else ""))
+                              (", and the floor reached" if run.margin is not None else ""))
     distributed.print0(verdict)
     if argv and dist.get_rank() == 0:
         Path(argv[0]).write_text(json.dumps({"status": verdict.status, "measurements": result}, indent=1))
