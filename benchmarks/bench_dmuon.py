@@ -99,10 +99,10 @@ def worker():
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = dmuon.Muon(model, adjust_lr_fn="original")  # the same update as the replicated Muon below
-        model(x).square().mean().backward()  # gradients in place: _reduced_grad and FSDP2 shards
+        model(x).square().mean().backward()  # gradients in place: the records' reduced_grad and FSDP2 shards
         state = model._dmuon
-        grads = {p: p._reduced_grad.clone() if p._reduced_grad is not None else torch.randn(p.shape, dtype=p.dtype)
-                 for p in state.params.values()}
+        grads = {p: r.reduced_grad.clone() if r.reduced_grad is not None else torch.randn(p.shape, dtype=p.dtype)
+                 for p, r in zip(state.params.values(), state.records.values())}
 
         torch.manual_seed(0)
         replica = Net()
@@ -120,7 +120,7 @@ def worker():
                 state.make_resident(unit)
             state.end_of_backward_queued = True  # no autograd engine to queue the end of backward on
             for p, g in grads.items():  # what the backward hooks do: reduce each gradient to its owner
-                p._reduced_grad = None
+                dmuon.record_of(p).reduced_grad = None
                 p.grad = g.clone()
                 state.on_grad(p)
             # finish_backward queues a callback on the autograd engine (its sample for the clip check), which

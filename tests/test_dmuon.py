@@ -444,6 +444,21 @@ def test_z2_keeps_params_through_the_window(checks):
     assert c["resident_through_window"] and c["released_by_step"], c
 
 
+@pytest.mark.parametrize("layout", ["z3", "z2", "ddp", "hsdp", "ddp_tp"])
+def test_a_dedicated_parameter_carries_nothing_of_dmuons_but_the_pointer_to_its_record(checks, layout):
+    # Everything dmuon knows of a matrix is in its MatrixRecord (record.py); the parameter points to it, on its
+    # owner and elsewhere, after a window and a step. (Before the record: 13 _dmuon_* attributes, _reduced_grad and
+    # _accumulated_grad.) Read on every rank: FSDP2 Z3 and Z2 on the structure check's model, the DDP backend, HSDP
+    # and DDP + TP after three steps of the direct-read check.
+    if layout in ("z3", "z2"):
+        c = checks["zero_grad" if layout == "z3" else "z2_residency"]
+    elif layout == "ddp_tp":
+        c = two_by_two(checks, "direct_reads_ddp_tp")
+    else:
+        c = real_use(checks, f"direct_reads_{layout}")
+    assert c["attributes"] == [["_dmuon_record"]] * checks["nproc"], c
+
+
 def test_checkpoint_roundtrip_resumes_bit_identically(checks):
     c = checks["state_dict_roundtrip"]
     assert c["max_abs_diff_after_resume"] == 0.0 and c["lr_after"] == c["lr_expected"], c
@@ -735,8 +750,8 @@ def test_optimizer_works_with_lr_scheduler_and_zero_grad(one_rank):
     assert [g["lr"] for g in opt.param_groups] == [0.01, 5e-4]
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
     opt.zero_grad()
-    assert all(p._reduced_grad is None and p._accumulated_grad is None and p.grad is None
-               for n, p in model.named_parameters() if n in before)
+    assert all(dmuon.record_of(p).reduced_grad is None and dmuon.record_of(p).accumulated_grad is None
+               and p.grad is None for n, p in model.named_parameters() if n in before)
     with pytest.raises(RuntimeError, match="get_optimizer_state_dict"):
         opt.state_dict()
 
@@ -1423,11 +1438,17 @@ def test_a_publishing_matrix_keeps_its_own_class_and_a_read_whose_result_cannot_
     # In one process, without a broadcast: publishing() marks a matrix whose step result is on its way; its
     # first read calls land(), which (as the state's wait_published does) lands it with landed().
     from dmuon_edu.dmuon import placeholder
+    from dmuon_edu.dmuon.record import MatrixRecord, attach
+
+    def recorded(p):  # what dedicate_params gives each matrix: its record
+        attach(p, MatrixRecord("w", holder=0, replica=0, owner_rank=0, shape=p.shape, dtype=p.dtype,
+                               policy=dmuon.DMuonParamPolicy(), own_class=type(p)))
+        return p
 
     class UsersParameter(nn.Parameter):  # a user's Parameter subclass keeps its class across the publish
         pass
 
-    p = UsersParameter(torch.ones(2, 2))
+    p = recorded(UsersParameter(torch.ones(2, 2)))
     lands = []
     land = lambda: (lands.append(1), placeholder.landed(p))  # noqa: E731
     placeholder.publishing(p, land)
@@ -1435,7 +1456,7 @@ def test_a_publishing_matrix_keeps_its_own_class_and_a_read_whose_result_cannot_
     assert torch.equal(p.clone(), torch.ones(2, 2)) and lands == [1] and type(p) is UsersParameter
     # A mark that no broadcast in flight will land (a step that failed part way): every read is refused by name,
     # where the Python-level reads (torch.save, deepcopy) recursed without end.
-    q = nn.Parameter(torch.ones(3))
+    q = recorded(nn.Parameter(torch.ones(3)))
     placeholder.publishing(q, lambda: None)
     for read in (q.clone, lambda: torch.save(q, io.BytesIO())):
         with pytest.raises(RuntimeError, match="still waiting for its step result"):

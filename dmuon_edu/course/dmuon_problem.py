@@ -263,8 +263,9 @@ class ResidencyProbe:
     reads at that moment ``dmuon.held_bytes(model)`` (``peak``), the broadcast buffers
     still in flight, ``dmuon.in_flight_bytes(model)`` (``in_flight_peak``, and the two
     together, ``total_peak``), and the gradients dmuon keeps for the dedicated matrices
-    between backwards: ``_accumulated_grad`` (inside no_sync, on every rank) and
-    ``_reduced_grad`` (on the owner). Exact and deterministic, unlike a profiler's peak.
+    between backwards, in each matrix's record: ``accumulated_grad`` (inside no_sync, on
+    every rank) and ``reduced_grad`` (on the owner). Exact and deterministic, unlike a
+    profiler's peak.
     """
 
     def __init__(self, model: nn.Module):
@@ -278,8 +279,8 @@ class ResidencyProbe:
         return dmuon.held_bytes(self.model)
 
     def held_gradient_bytes(self) -> int:
-        kept = (getattr(p, name) for p in dedicated_parameters(self.model).values()
-                for name in ("_accumulated_grad", "_reduced_grad"))
+        records = [dmuon.record_of(p) for p in dedicated_parameters(self.model).values()]
+        kept = [g for r in records for g in (r.accumulated_grad, r.reduced_grad)]
         return sum(g.numel() * g.element_size() for g in kept if g is not None)
 
     def _measure(self, _module, _args) -> None:

@@ -28,8 +28,9 @@ per optimizer step, the first N-1 inside no_sync):
   1 * P_M per step, for P_M of extra memory on every rank.
 - reduce (op AVG), in backward: one per (layer, owner, dtype) bucket, issued as soon as
   the bucket's gradients are complete, to its owner, waited at the end of the backward,
-  into ``p._reduced_grad``. Inside no_sync there is none: gradients add into
-  ``p._accumulated_grad`` and FSDP2 skips its reduce-scatter; the next backward outside
+  into the matrix's record (``dmuon.record_of(p).reduced_grad``). Inside no_sync there is
+  none: gradients add into the record's ``accumulated_grad`` and FSDP2 skips its
+  reduce-scatter; the next backward outside
   no_sync reduces everything: 1 * P_M per step (N * P_M without no_sync).
 - step: owners run Muon on their matrices (same shapes batched through NS); AdamW
   steps the shards. The only communication is one all_reduce of six float64 numbers
@@ -72,16 +73,22 @@ Bytes are as count_comm counts them: the whole tensor's size on every rank takin
 part, sender or receiver. The public dmuon's byte formulas, 2(W-1)/W * P_M (Z2) and
 3(W-1)/W * P_M (Z3), W ranks (its documents write N), count what crosses the wire per rank.
 
+What dmuon knows of each matrix is one record (record.py's MatrixRecord: placement,
+shapes, dtypes, master, gradients, TP placement), held by the model's state and pointed
+to by the parameter (``p._dmuon_record``, its one dmuon attribute).
+
 Modules, each importing only those before it: plan.py (owners), names.py (names
-without wrapper segments), fsdp_exclusion.py, placeholder.py (non-owners' guarded
-placeholders), order.py (the same collectives on every rank), boundary.py (hook
-boundaries), policy.py (per-parameter routes and dtypes), dedicate.py (dedicate_params,
-residency and gradient hooks, no_sync, ownership), dedicated_params.py (the public getters'
-records), ddp.py (dedicate_params_ddp, replicate, and their TP forms), clip.py (clip_grad_norm_),
-ns_backend.py (the Newton-Schulz choice), optim.py (Muon), state.py (state dicts),
-diagnostics.py (summaries of the plan and the groups), hardware.py (the machine: collective
-costs, matmul rates, calibrate(), GPU presets), step_time.py (a step's predicted seconds,
-phase by phase, from the plan and the hardware; ``python -m dmuon_edu.dmuon`` prints one).
+without wrapper segments), order.py (the same collectives on every rank), policy.py
+(per-parameter routes and dtypes), tp.py (tensor parallelism: a matrix's TP placement,
+its gathers and scatters), record.py (one record per matrix), fsdp_exclusion.py,
+placeholder.py (non-owners' guarded placeholders), boundary.py (hook boundaries),
+dedicate.py (dedicate_params, residency and gradient hooks, no_sync, ownership),
+dedicated_params.py (the public getters' snapshots), ddp.py (dedicate_params_ddp,
+replicate, and their TP forms), clip.py (clip_grad_norm_), ns_backend.py (the
+Newton-Schulz choice), optim.py (Muon), state.py (state dicts), diagnostics.py (summaries
+of the plan and the groups), hardware.py (the machine: collective costs, matmul rates,
+calibrate(), GPU presets), step_time.py (a step's predicted seconds, phase by phase, from
+the plan and the hardware; ``python -m dmuon_edu.dmuon`` prints one).
 """
 
 from dmuon_edu.distributed import count_collectives as count_comm
@@ -97,6 +104,7 @@ from .ns_backend import (POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, NewtonSch
 from .optim import Muon
 from .plan import imbalance, plan_owners
 from .policy import DMuonParamPolicy
+from .record import MatrixRecord, record_of
 from .step_time import LAYOUTS, MODELS, Layout, StepTime, Workload, planned_collectives, predict_step, transformer
 from .state import (
     StateDictOptions,
@@ -123,6 +131,8 @@ __all__ = [
     "clip_grad_norm_",
     "MuonGradClipStats",
     "DMuonParamPolicy",
+    "MatrixRecord",
+    "record_of",
     "NewtonSchulz",
     "newton_schulz",
     "gram_newton_schulz",

@@ -1,6 +1,6 @@
 r"""Gradient clipping for a dmuon model: the norm over every rank, and what torch's clip misses.
 
-A dedicated matrix's gradient lives on its owner, in ``p._reduced_grad``; ``p.grad`` is
+A dedicated matrix's gradient lives on its owner, in its record's ``reduced_grad``; ``p.grad`` is
 None on every rank. So ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
 sees only the symmetric (FSDP2) gradients: it measures their norm, not the global one
 (1.999 against 5.826 in the measurement that found it), and scales them alone.
@@ -124,7 +124,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer | nn.Module, max_norm: floa
         state, model = optimizer._dmuon, None
     else:
         raise TypeError(f"clip_grad_norm_ takes the model or its dmuon.Muon, got {type(optimizer).__name__}")
-    if state.in_no_sync or any(p._accumulated_grad is not None for p in state.params.values()):
+    if state.in_no_sync or any(r.accumulated_grad is not None for r in state.records.values()):
         raise RuntimeError(
             "clip_grad_norm_ needs reduced gradients: call it after the last backward of the window, "
             "which runs outside no_sync"
@@ -156,9 +156,9 @@ def _gradients(state: DMuonState, model: nn.Module | None,
     """(the local gradient tensors to scale, those to count in the norm): each gradient counts once over ranks.
     The model form takes every gradient; the optimizer form the matrices of its Muon groups."""
     on_muon = None if optimizer is None else {id(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
-    holders = [p for p in state.params.values()  # the one owner of each (with TP: of each in its TP column)
-               if p._reduced_grad is not None and (on_muon is None or id(p) in on_muon)]
-    dedicated = [p._reduced_grad for p in holders]
+    holders = [state.records[name] for name, p in state.params.items()  # its owner (with TP: in each TP column)
+               if state.records[name].reduced_grad is not None and (on_muon is None or id(p) in on_muon)]
+    dedicated = [r.reduced_grad for r in holders]
     shards, replicated = [], []
     for p in model.parameters() if model is not None else ():
         if p not in state.name_of and p.grad is not None:
@@ -170,7 +170,7 @@ def _gradients(state: DMuonState, model: nn.Module | None,
     # every TP column, each with the same gradient: the one in TP column 0 counts. The DDP backend's DTensors are
     # TP shards, whole on every DP rank: those of DP index 0 count.
     first_copy = state.rank == 0 if state.holds_every_matrix else state.replica == 0
-    counted = [p._reduced_grad for p in holders if state.tp_index == 0 or getattr(p, "_dmuon_tp", None) is not None]
+    counted = [r.reduced_grad for r in holders if state.tp_index == 0 or r.tp is not None]
     counted += [g.to_local() for g in shards if state.tp_index == 0
                 or state.tp_name in (g.device_mesh.mesh_dim_names or ())] if first_copy else []
     counted += replicated if dist.get_rank() == 0 else []

@@ -72,6 +72,7 @@ from .dedicate import (
     state_of,
 )
 from .policy import PolicyFn
+from .record import record_of
 
 __all__ = ["dedicate_params_ddp", "dedicate_params_ddp_tp", "replicate", "replicate_tp", "DDPState", "Replicated"]
 
@@ -116,12 +117,12 @@ class DDPState(DMuonState):
         self.wait_published()
         for p in unit.params:
             dtype = self.compute_dtype(unit, p)
-            if dtype != p._dmuon_dtype:
-                _set_data(p, p._dmuon_master.to(dtype))
+            if dtype != record_of(p).dtype:
+                _set_data(p, record_of(p).master.to(dtype))
         unit.resident = True
 
     def _drop(self, p: nn.Parameter) -> None:
-        _set_data(p, p._dmuon_master)  # the compute copy goes; every rank keeps the master
+        _set_data(p, record_of(p).master)  # the compute copy goes; every rank keeps the master
 
     def publish(self) -> None:
         """After the step: each owner starts broadcasting its updated matrices to every rank, one packed
@@ -129,7 +130,7 @@ class DDPState(DMuonState):
         packs: dict[tuple[int, str], list[nn.Parameter]] = {}
         for p in self.params.values():
             if p.requires_grad:  # a frozen matrix never changes
-                packs.setdefault((self.owner_of(p), str(p._dmuon_dtype)), []).append(p)
+                packs.setdefault((self.owner_of(p), str(record_of(p).dtype)), []).append(p)
         self.publishing += start_packed_broadcasts(packs, self.rank, self.group, self.mesh_device, self.order,
                                                    "the post-step broadcast of {n} matrices from rank {source}",
                                                    self.wait_published)

@@ -1,7 +1,8 @@
 """dedicate_params: owners, residency (broadcast / release) and gradients (reduce / no_sync).
 
 Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
-``model._dmuon``. Hooks, all registered by :func:`dedicate_params`:
+``model._dmuon``, and what it knows of each matrix in that matrix's record (record.py),
+which the parameter points to. Hooks, all registered by :func:`dedicate_params`:
 
 - on each *unit* (the module of a layer, its hook boundary: boundary.py), a forward
   pre-hook that issues the unit's broadcasts (one per owner and dtype, packed) and those
@@ -10,12 +11,12 @@ Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
   reaches the unit (a hook on the unit's outputs, which autograd runs before the unit's
   own backward), prefetching the previous units' there;
 - on each trainable dedicated parameter, a post-accumulate-grad hook: inside no_sync it
-  moves ``p.grad`` into ``p._accumulated_grad``; outside, it adds ``_accumulated_grad``
+  moves ``p.grad`` into its record's ``accumulated_grad``; outside, it adds that
   and puts the gradient in its *bucket* (the matrices of one unit with one owner and
   dtype). A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one
   packed buffer; a callback at the end of the backward reduces partial buckets (matrices
   that got no gradient), waits for every reduce and adds the results into the owners'
-  ``p._reduced_grad``. Either way ``p.grad`` is left None.
+  records' ``reduced_grad``. Either way ``p.grad`` is left None.
 
 Residency has one record: ``Unit.resident``, set when the unit's broadcasts are issued and
 cleared when it is released. A non-owner holds a matrix exactly while some resident unit
@@ -39,7 +40,7 @@ it stays resident while any of those units is.
 Mixed precision: when the unit sits under a ``fully_shard(..., mp_policy=...)`` with a
 ``param_dtype`` (or the parameter's policy has one, policy.py), the broadcast carries the
 matrix in that dtype and every rank, owner included, computes with that copy; the owner
-keeps its float32 master (``p._dmuon_master``) for the optimizer, gradients are reduced in
+keeps its float32 master (its record's ``master``) for the optimizer, gradients are reduced in
 the policy's ``reduce_dtype`` (or the parameter's ``grad_dtype``) and accumulated under
 no_sync in the master's dtype.
 """
@@ -66,6 +67,7 @@ from dmuon_edu.arguments import require_called_as, require_module
 from dmuon_edu.distributed import release_gloo_workers_at_exit
 
 from . import fsdp_exclusion, placeholder, tp
+from .record import MatrixRecord, attach, record_of
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
 from .order import CollectiveOrder, group_timeout
@@ -131,6 +133,7 @@ class DMuonState:
     mesh: DeviceMesh
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
+    records: dict[str, MatrixRecord]  # what this rank knows of each, by name (record.py)
     owners: dict[str, int]  # name -> the owner's global rank (what ownership() reports)
     order: CollectiveOrder = field(repr=False)  # every collective over the mesh is checked by it
     replicate_mesh: DeviceMesh | None = None  # HSDP: the replicas' axis
@@ -176,7 +179,7 @@ class DMuonState:
     def owner_of(p: nn.Parameter) -> int:
         """The matrix's *holder* in the mesh: the rank that keeps it whole and broadcasts it. With a
         replicate mesh there is one holder per replica, all at this index."""
-        return getattr(p, fsdp_exclusion.OWNER_ATTRIBUTE)
+        return record_of(p).holder
 
     def receives_gradient(self, p: nn.Parameter) -> bool:
         """Whether this rank is the matrix's holder in its replica (and TP column): the rank its averaged
@@ -190,20 +193,21 @@ class DMuonState:
     def steps(self, p: nn.Parameter) -> bool:
         """Whether this rank is the matrix's one owner: its holder in the replica that steps it (for a TP-sharded
         matrix, the holder at its TP owner's index: tp.py)."""
-        tp = getattr(p, "_dmuon_tp", None)
-        return self.receives_gradient(p) and p._dmuon_replica == self.replica and (tp is None or tp.index == tp.owner)
+        record = record_of(p)
+        tp = record.tp
+        return self.receives_gradient(p) and record.replica == self.replica and (tp is None or tp.index == tp.owner)
 
     @staticmethod
     def stepped(p: nn.Parameter) -> torch.Tensor:
         """The tensor the owner's optimizer steps for ``p``: ``p``, or a TP-sharded matrix's full-shape proxy."""
-        tp = getattr(p, "_dmuon_tp", None)
+        tp = record_of(p).tp
         return p if tp is None else tp.proxy
 
     @staticmethod
     def full_shape(p: nn.Parameter) -> torch.Size:
         """The logical matrix's shape (a TP-sharded matrix's, not its shard's)."""
-        tp = getattr(p, "_dmuon_tp", None)
-        return p._dmuon_shape if tp is None else tp.full_shape
+        record = record_of(p)
+        return record.shape if record.tp is None else record.tp.full_shape
 
     # -- residency: Unit.resident is the one record (module docstring) ---------------
     def make_resident(self, unit: Unit) -> None:
@@ -227,9 +231,9 @@ class DMuonState:
         for owner, params in unit.packs:
             dtype = self.compute_dtype(unit, params[0])
             if owner == self.rank:
-                flat = torch.cat([p._dmuon_master.detach().reshape(-1).to(dtype) for p in params])
+                flat = torch.cat([record_of(p).master.detach().reshape(-1).to(dtype) for p in params])
             else:
-                flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=dtype, device=self.mesh_device)
+                flat = torch.empty(_numel(params), dtype=dtype, device=self.mesh_device)
             flats.append(flat)
             descriptions.append(f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
                                 f"({flat.numel()} values of {dtype})")
@@ -244,12 +248,9 @@ class DMuonState:
         for sent in unit.in_flight:
             with self.order.waiting(sent.event, sent.description):
                 sent.work.wait()
-            offset = 0
-            for p in sent.params:
-                values = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape)
-                offset += p._dmuon_shape.numel()
+            for p, values in zip(sent.params, _unpacked(sent)):
                 if sent.owner == self.rank:
-                    if values.dtype != p._dmuon_dtype:  # compute with the policy's copy; the master waits
+                    if values.dtype != record_of(p).dtype:  # compute with the policy's copy; the master waits
                         _set_data(p, values)
                 else:
                     placeholder.hold(p, values)
@@ -272,18 +273,20 @@ class DMuonState:
 
     def _drop(self, p: nn.Parameter) -> None:
         if self.owns(p):
-            _set_data(p, p._dmuon_master)
+            _set_data(p, record_of(p).master)
         elif placeholder.is_resident(p):
             placeholder.release(p)
 
     def compute_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
         """The dtype ``p`` is broadcast and computed in: its policy's param_dtype, else fully_shard's, else its own."""
-        return p._dmuon_policy.param_dtype or self.precision(unit)[0] or p._dmuon_dtype
+        record = record_of(p)
+        return record.policy.param_dtype or self.precision(unit)[0] or record.dtype
 
     def wire_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
         """The dtype ``p``'s gradient is reduced in: its policy's grad_dtype, else fully_shard's reduce_dtype, else
         its own."""
-        return p._dmuon_policy.grad_dtype or self.precision(unit)[1] or p._dmuon_dtype
+        record = record_of(p)
+        return record.policy.grad_dtype or self.precision(unit)[1] or record.dtype
 
     def precision(self, unit: Unit) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) of the fully_shard mixed-precision policy over the unit, or Nones.
@@ -305,7 +308,7 @@ class DMuonState:
                 path = path.rpartition(".")[0]
             param_dtype, reduce_dtype = (policy.param_dtype, policy.reduce_dtype) if policy is not None else (None, None)
             for p in unit.params:
-                wanted = p._dmuon_policy.param_dtype
+                wanted = record_of(p).policy.param_dtype
                 if wanted is not None and param_dtype is not None and wanted != param_dtype:
                     raise ValueError(
                         f"{self.name_of[p]} has compute_dtype (param_dtype) {wanted}, but fully_shard's "
@@ -314,11 +317,12 @@ class DMuonState:
                         "(or None) to dedicate_params, or change the policy"
                     )
             for p in unit.params:
-                dtype = p._dmuon_policy.param_dtype or param_dtype
-                if isinstance(p, DTensor) and dtype not in (None, p._dmuon_dtype):
+                record = record_of(p)
+                dtype = record.policy.param_dtype or param_dtype
+                if isinstance(p, DTensor) and dtype not in (None, record.dtype):
                     raise ValueError(
                         f"{self.name_of[p]} is tensor-parallel (a DTensor) and would compute in {dtype}, but dmuon_edu "
-                        f"casts plain tensors only: a DTensor keeps its dtype ({p._dmuon_dtype}). Leave compute_dtype "
+                        f"casts plain tensors only: a DTensor keeps its dtype ({record.dtype}). Leave compute_dtype "
                         f"and the policy's param_dtype at None for it and run the forward under torch.autocast("
                         f"device_type, dtype={dtype}), or leave the matrix out of the predicate"
                     )
@@ -328,14 +332,15 @@ class DMuonState:
     # -- gradients -----------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
         """Called once p.grad holds this backward's whole gradient."""
+        record = record_of(p)
         g, p.grad = _local(p.grad), None
-        g = g.to(p._dmuon_dtype)  # accumulate and keep in the master's precision
+        g = g.to(record.dtype)  # accumulate and keep in the master's precision
         self.queue_end_of_backward()
         if self.in_no_sync:
-            p._accumulated_grad = g if p._accumulated_grad is None else p._accumulated_grad.add_(g)
+            record.accumulated_grad = g if record.accumulated_grad is None else record.accumulated_grad.add_(g)
             return
-        if p._accumulated_grad is not None:
-            g, p._accumulated_grad = p._accumulated_grad.add_(g), None
+        if record.accumulated_grad is not None:
+            g, record.accumulated_grad = record.accumulated_grad.add_(g), None
         bucket = self.bucket_of[p]
         bucket.ready[p] = g
         if len(bucket.ready) == len(bucket.params):
@@ -361,7 +366,7 @@ class DMuonState:
 
     def finish_backward(self) -> None:
         """At the end of a backward: reduce what a partial bucket holds, wait for every reduce, and add
-        the results into the owners' ``_reduced_grad``; in Z3, release the units still resident (those whose
+        the results into the owners' records' ``reduced_grad``; in Z3, release the units still resident (those whose
         inputs needed no gradient, and prefetched ones whose backward did not come)."""
         self.end_of_backward_queued = False
         if self.reshard_after_forward:
@@ -417,11 +422,10 @@ class DMuonState:
 
     @staticmethod
     def _add_reduced(sent: InFlight) -> None:
-        offset = 0
-        for p in sent.params:
-            g = sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape).to(p._dmuon_dtype)
-            offset += p._dmuon_shape.numel()
-            p._reduced_grad = g if p._reduced_grad is None else p._reduced_grad.add_(g)
+        for p, g in zip(sent.params, _unpacked(sent)):
+            record = record_of(p)
+            g = g.to(record.dtype)
+            record.reduced_grad = g if record.reduced_grad is None else record.reduced_grad.add_(g)
 
     # -- publishing (HSDP) --------------------------------------------------------------
     def publish(self) -> None:
@@ -432,7 +436,7 @@ class DMuonState:
         packs: dict[tuple[int, str], list[nn.Parameter]] = {}
         for p in self.params.values():
             if self.owns(p) and p.requires_grad:  # a frozen matrix never changes
-                packs.setdefault((p._dmuon_replica, str(p._dmuon_dtype)), []).append(p)
+                packs.setdefault((record_of(p).replica, str(record_of(p).dtype)), []).append(p)
         self.publishing += start_packed_broadcasts(packs, self.replica, self.replicate_group, self.mesh_device,
                                                    self.replicate_order,
                                                    "the publish of {n} matrices from replica {source}",
@@ -452,9 +456,9 @@ def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me
     packed = []
     for (source, _), params in sorted(packs.items()):
         if source == me:
-            flat = torch.cat([p._dmuon_master.reshape(-1) for p in params])
+            flat = torch.cat([record_of(p).master.reshape(-1) for p in params])
         else:
-            flat = torch.empty(sum(p._dmuon_shape.numel() for p in params), dtype=params[0]._dmuon_dtype, device=device)
+            flat = torch.empty(_numel(params), dtype=record_of(params[0]).dtype, device=device)
         packed.append((source, params, flat, f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"))
     events = order.check_all([description for *_, description in packed])
     started = [InFlight(event, description, source, params, flat,
@@ -475,12 +479,24 @@ def finish_packed_broadcasts(started: list[InFlight], me: int, order: Collective
             sent.work.wait()
         if sent.owner == me:
             continue
-        offset = 0
-        for p in sent.params:
-            p._dmuon_master.copy_(sent.flat[offset : offset + p._dmuon_shape.numel()].view(p._dmuon_shape))
-            offset += p._dmuon_shape.numel()
+        for p, values in zip(sent.params, _unpacked(sent)):
+            record_of(p).master.copy_(values)
             placeholder.landed(p)
     started.clear()
+
+
+def _numel(params: list[nn.Parameter]) -> int:
+    """The values of a packed buffer of these matrices (this rank's shards, under tensor parallelism)."""
+    return sum(record_of(p).shape.numel() for p in params)
+
+
+def _unpacked(sent: InFlight) -> Iterator[torch.Tensor]:
+    """Views of a packed buffer, one per matrix, in its order and of its shape."""
+    offset = 0
+    for p in sent.params:
+        shape = record_of(p).shape
+        yield sent.flat[offset : offset + shape.numel()].view(shape)
+        offset += shape.numel()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -741,7 +757,16 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                                        dist.get_process_group_ranks(replicate_mesh.get_group()),
                                        replicate_mesh.get_group())
                        if replicate_mesh is not None else None)
-    state = state_type(model, mesh, reshard_after_forward, params, owners, order, replicate_mesh, replicate_order)
+    records = {}
+    for name, p in params.items():
+        # a DTensor's local tensor (its shard), outside autograd: the master is written in place
+        local = _local(p).detach() if isinstance(p, DTensor) else p.data
+        records[name] = MatrixRecord(name, holder=plan[name] % shards, replica=plan[name] // shards,
+                                     owner_rank=owners[name], shape=local.shape, dtype=p.dtype,
+                                     policy=policy_of[name], master=local, own_class=type(p))
+        attach(p, records[name])
+    state = state_type(model, mesh, reshard_after_forward, params, records, owners, order, replicate_mesh,
+                       replicate_order)
     if tp_mesh is not None:  # across the TP group of each DP index: its gathers and scatters
         state.everyone = dist.group.WORLD
         tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
@@ -753,23 +778,15 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     if dist.get_backend() == "gloo":
         release_gloo_workers_at_exit()
     for name, p in params.items():
-        setattr(p, fsdp_exclusion.OWNER_ATTRIBUTE, plan[name] % shards)
-        p._dmuon_replica = plan[name] // shards
-        # a DTensor's local tensor (its shard), outside autograd: the master is written in place
-        local = _local(p).detach() if isinstance(p, DTensor) else p.data
-        p._dmuon_shape, p._dmuon_dtype, p._dmuon_master = local.shape, p.dtype, local
-        p._dmuon_policy = policy_of[name]
+        record = records[name]
         if name in tp_sharded:
-            p._dmuon_tp = tp.TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
-                                     tp_owner[name], p.shape, tp_order)
-            if state.receives_gradient(p) and p._dmuon_tp.index == p._dmuon_tp.owner:
-                p._dmuon_tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=local.device)
-                p._dmuon_tp.proxy._reduced_grad = None
-        p._reduced_grad = None
-        p._accumulated_grad = None
+            record.tp = tp.TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
+                                   tp_owner[name], p.shape, tp_order)
+            if state.receives_gradient(p) and record.tp.index == record.tp.owner:
+                record.tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=record.master.device)
         if not state.owns(p):
-            p._dmuon_master = None
-            placeholder.make_placeholder(p, name, owners[name], dist.get_rank())
+            record.master = None
+            placeholder.make_placeholder(p)
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
     for module in {model.get_submodule(alias.rpartition(".")[0]) for alias, p in aliases
@@ -869,8 +886,8 @@ def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, n
     for path, used in by_path.items():
         packs: dict[tuple, list[nn.Parameter]] = {}
         for _, p in used:
-            key = (state.owner_of(p), str(p._dmuon_dtype), str(p._dmuon_policy.param_dtype),
-                   str(p._dmuon_policy.grad_dtype))
+            record = record_of(p)
+            key = (record.holder, str(record.dtype), str(record.policy.param_dtype), str(record.policy.grad_dtype))
             pack = packs.setdefault(key, [])
             if all(q is not p for q in pack):  # identity: == on tensors compares values
                 pack.append(p)
@@ -881,8 +898,8 @@ def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, n
                 state.units_of[p].append(unit)
             # A tied matrix's gradient is complete after the backward of its first unit.
             first_use = [p for p in ps if p not in state.bucket_of]
-            for replica in sorted({p._dmuon_replica for p in first_use}):
-                members = [p for p in first_use if p._dmuon_replica == replica]
+            for replica in sorted({record_of(p).replica for p in first_use}):
+                members = [p for p in first_use if record_of(p).replica == replica]
                 bucket = Bucket(unit, owner, replica, members)
                 state.buckets.append(bucket)
                 state.bucket_of.update((p, bucket) for p in members)
@@ -952,7 +969,7 @@ def _after_forward(state: DMuonState, unit: Unit, output) -> None:
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally, with no communication of either kind, until the block ends.
 
-    Dedicated gradients add into ``p._accumulated_grad`` on every rank; the FSDP2
+    Dedicated gradients add into their records' ``accumulated_grad`` on every rank; the FSDP2
     modules get ``set_requires_gradient_sync(False)``. The first backward after the
     block reduces everything accumulated. Run the forward inside the block too.
     """
@@ -995,7 +1012,7 @@ def held_bytes(model: nn.Module) -> int:
     storages: dict[int, int] = {}
     with torch._C.DisableTorchFunctionSubclass():
         for p in state.params.values():
-            for t in (_local(p), p._dmuon_master) if state.owns(p) else (_local(p),):
+            for t in (_local(p), record_of(p).master) if state.owns(p) else (_local(p),):
                 storage = t.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

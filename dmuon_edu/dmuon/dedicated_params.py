@@ -3,8 +3,8 @@
     for record in dmuon.get_owned_params(model, rank=0):
         print(record.param_name, tuple(record.full_shape), record.numel)
 
-A :class:`DedicatedParam` is a snapshot, built at each call from the model's dmuon state
-(dedicate.py's ``DMuonState``): nothing in it is live, and changing it changes nothing.
+A :class:`DedicatedParam` is a snapshot, built at each call from the matrix's live record
+(record.py's ``MatrixRecord``): nothing in it is live, and changing it changes nothing.
 Its names carry the public project's meanings: ``owner_rank`` is the owner's coordinate
 ``(shard index, replica index)`` on the data-parallel mesh (the replica index is 0 without
 HSDP), ``numel`` counts this rank's local elements (a tensor-parallel shard's), and
@@ -23,7 +23,6 @@ from torch import nn
 from dmuon_edu.arguments import describe
 
 from .dedicate import state_of
-from .fsdp_exclusion import OWNER_ATTRIBUTE
 
 __all__ = ["DedicatedParam", "get_dedicated_params", "get_owned_params"]
 
@@ -70,10 +69,11 @@ def get_dedicated_params(model: nn.Module) -> list[DedicatedParam]:
     state = state_of(model)
     records = []
     for name, p in state.params.items():
-        tp = getattr(p, "_dmuon_tp", None)
+        record = state.records[name]
+        tp = record.tp
         records.append(DedicatedParam(
-            param_name=name, param=p, owner_rank=(getattr(p, OWNER_ATTRIBUTE), p._dmuon_replica),
-            is_owner=state.steps(p), full_shape=state.full_shape(p), local_shape=p._dmuon_shape,
+            param_name=name, param=p, owner_rank=(record.holder, record.replica),
+            is_owner=state.steps(p), full_shape=state.full_shape(p), local_shape=record.shape,
             shard_dim=tp.dim if tp else None, tp_group=tp.group if tp else None,
             is_tp_owner=bool(tp and tp.index == tp.owner)))
     return records

@@ -31,6 +31,7 @@ from torch import nn
 
 from .dedicate import DMuonState, Unit, state_of
 from .optim import require_built_for
+from .record import record_of
 
 __all__ = ["summarize_param_groups", "summarize_comm_plan", "format_summary"]
 
@@ -74,17 +75,18 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, *
         })
     rows = []
     for name, p in list(state.params.items())[:max_rows]:
-        policy, index = p._dmuon_policy, group_of.get(id(p))
+        record, index = state.records[name], group_of.get(id(p))
+        policy = record.policy
         rows.append({
             "name": name, "param_name": name.rpartition(".")[2],
             "route": optimizer.param_groups[index]["subgroup_type"] if index is not None else None,
             "param_dtype": _dtype_name(policy.param_dtype), "grad_dtype": _dtype_name(policy.grad_dtype),
-            "output_dtype": None, "master_dtype": _dtype_name(p._dmuon_dtype), "optim_dtype": _dtype_name(p._dmuon_dtype),
+            "output_dtype": None, "master_dtype": _dtype_name(record.dtype), "optim_dtype": _dtype_name(record.dtype),
             "cast_forward_inputs": False, "matched_policy_overrides": list(policy.matched_overrides),
             "group_index": index, "group_name": optimizer.param_groups[index]["group_name"] if index is not None else None,
-            "owner_rank": [state.owner_of(p), p._dmuon_replica], "owner_global_rank": state.owners[name],
+            "owner_rank": [record.holder, record.replica], "owner_global_rank": state.owners[name],
             "is_owner": state.steps(p), "is_dtensor": False, "uses_sharded_adamw": False,
-            "numel": p._dmuon_shape.numel(), "shape": list(p._dmuon_shape),
+            "numel": record.shape.numel(), "shape": list(record.shape),
         })
     return {
         "available": True, "num_groups": len(optimizer.param_groups), "dedicated_param_count": len(state.params),
@@ -117,9 +119,10 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
                             "broadcast_tensor_bytes", "tp_gather_tensor_bytes_this_rank",
                             "tp_scatter_tensor_bytes_this_rank"), 0)
     for p in state.params.values():  # the DP owners of a TP-sharded matrix join its gather and scatter (tp.py)
-        tp = getattr(p, "_dmuon_tp", None)
+        record = record_of(p)
+        tp = record.tp
         if tp is not None and p.requires_grad and state.receives_gradient(p):  # a frozen matrix is not stepped
-            shard = p._dmuon_shape.numel() * p._dmuon_dtype.itemsize
+            shard = record.shape.numel() * record.dtype.itemsize
             for key in ("tp_gather_tensor_bytes_this_rank", "tp_scatter_tensor_bytes_this_rank"):
                 totals[key] += shard * tp.size if tp.index == tp.owner else shard
     ring = 2 * (state.world_size - 1) / state.world_size
@@ -149,8 +152,8 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
         if index >= max_groups:
             continue
         rows = [{
-            "param_index": i, "param_name": state.name_of[p], "owner_coord": [state.owner_of(p), p._dmuon_replica],
-            "bytes": sizes[id(p)][0], "reduce_bytes": sizes[id(p)][1], "route": p._dmuon_policy.optimizer,
+            "param_index": i, "param_name": state.name_of[p], "owner_coord": [state.owner_of(p), record_of(p).replica],
+            "bytes": sizes[id(p)][0], "reduce_bytes": sizes[id(p)][1], "route": record_of(p).policy.optimizer,
             "param_dtype": _dtype_name(state.compute_dtype(unit, p)), "grad_dtype": _dtype_name(state.wire_dtype(unit, p)),
             "stage1_shard_reduce_root_global_rank": dist.get_global_rank(state.group, state.owner_of(p)),
             "stage2_replicate_axis_active_on_this_rank": state.replicas > 1 and state.owns(p),
@@ -193,9 +196,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _sizes(state: DMuonState, unit: Unit, p: nn.Parameter) -> tuple[int, int]:
     """(broadcast bytes, reduce bytes) of one matrix, as dmuon sends them (the module docstring)."""
-    n = p._dmuon_shape.numel()
+    n = record_of(p).shape.numel()
     if state.holds_every_matrix:  # the DDP backend: only the post-step broadcast of a trainable matrix's master
-        broadcast = n * p._dmuon_dtype.itemsize if p.requires_grad else 0
+        broadcast = n * record_of(p).dtype.itemsize if p.requires_grad else 0
     else:
         broadcast = n * state.compute_dtype(unit, p).itemsize
     return broadcast, n * state.wire_dtype(unit, p).itemsize if p.requires_grad else 0

@@ -35,20 +35,13 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["install", "check_compatible", "is_dedicated"]
+from .record import is_dedicated
+
+__all__ = ["install", "check_compatible"]
 
 FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 COLLECTOR = "_get_modules_and_states"
 COLLECTOR_PARAMETERS = ("module", "device", "ignored_params")
-
-# Set on each dedicated parameter by dedicate_params: the owner's rank in the mesh.
-OWNER_ATTRIBUTE = "_dmuon_owner"
-
-
-def is_dedicated(param: torch.Tensor) -> bool:
-    """Whether ``dedicate_params`` gave ``param`` an owner."""
-    return getattr(param, OWNER_ATTRIBUTE, None) is not None
-
 
 def check_compatible():
     """The module holding fully_shard, after checking that it still collects parameters as expected.

@@ -25,9 +25,9 @@ trainable parameter of the model must be in exactly one group; frozen ones are s
 A scheduler scales each group's own ``lr``: LambdaLR(opt, f) multiplies both lr and
 adamw_lr by f(step). The groups are the source of truth; step() hands their values to
 three inner optimizers, one group per semantic group each: a dmuon_edu.muon.Muon over
-the Muon matrices this rank owns (fed with ``p._reduced_grad``; see its docstring for
-how same-shape matrices are batched), a torch.optim.AdamW over the shards, and one over
-the AdamW-routed matrices this rank owns.
+the Muon matrices this rank owns (fed with their records' ``reduced_grad``: record.py; see
+its docstring for how same-shape matrices are batched), a torch.optim.AdamW over the
+shards, and one over the AdamW-routed matrices this rank owns.
 
 Non-finite gradients: if any gradient of the step holds NaN or Inf, on any rank (an
 owner's reduced matrix gradient or any FSDP2 shard), step() skips the whole step on
@@ -67,6 +67,7 @@ from .ddp import replicated_params
 from .dedicate import state_of
 from .ns_backend import NewtonSchulz, as_backend
 from .order import MODES
+from .record import record_of
 
 __all__ = ["Muon"]
 
@@ -240,6 +241,8 @@ class Muon(torch.optim.Optimizer):
         self._owner_adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) in is_dedicated and steps(p)]}
                                                for g in adamw_groups], **adamw_hyper)
         self._inner = (self._muon, self._adamw, self._owner_adamw)
+        # The record of each tensor this rank steps (a TP-sharded matrix's owner steps its proxy: tp.py)
+        self._record_stepped_as = {id(stepped(p)): record_of(p) for p in self._dmuon.params.values() if steps(p)}
         super().__init__(groups, defaults={})
         self.last_muon_grad_clip_stats: MuonGradClipStats | None = None
 
@@ -303,7 +306,7 @@ class Muon(torch.optim.Optimizer):
                 "optimizer.step() inside dmuon.no_sync(model): the gradients are not reduced yet. "
                 "Run the last micro-batch's forward and backward outside no_sync, then step"
             )
-        pending = next((name for name, p in self._dmuon.params.items() if p._accumulated_grad is not None), None)
+        pending = next((name for name, r in self._dmuon.records.items() if r.accumulated_grad is not None), None)
         if pending is not None:
             raise RuntimeError(
                 f"optimizer.step() after a window whose every backward ran inside dmuon.no_sync(model): {pending} "
@@ -332,7 +335,7 @@ class Muon(torch.optim.Optimizer):
         tp.gather_gradients(self._dmuon)
         owned = self._owned
         for p in owned:
-            p.grad = p._reduced_grad
+            p.grad = self._record_stepped_as[id(p)].step_gradient
         try:
             self._muon.step()
             self._owner_adamw.step()
@@ -364,7 +367,7 @@ class Muon(torch.optim.Optimizer):
         clip that saw the FSDP2 gradients only. The same answers on every rank."""
         state, agreed = self._dmuon, self._agreed
         # The averaged dedicated gradients, on their owners (a TP-sharded matrix's shards, on its DP owners)
-        grads = [p._reduced_grad for p in state.params.values() if p._reduced_grad is not None]
+        grads = [r.reduced_grad for r in state.records.values() if r.reduced_grad is not None]
         grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                   for group in self.param_groups[1::2] for p in group["params"]
                   if p.grad is not None and p not in state.name_of]
@@ -394,17 +397,17 @@ class Muon(torch.optim.Optimizer):
                 "the other parameters' gradients (in p.grad) were scaled after the backward, but not the dedicated "
                 "(Muon) ones: "
                 "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only the gradients in p.grad, and a "
-                "dedicated matrix's gradient lives on its owner (p._reduced_grad), so it measured and clipped part "
+                "dedicated matrix's gradient lives on its owner (in its dmuon.record_of(p).reduced_grad), so it "
+                "measured and clipped part "
                 "of the gradient. Use dmuon.clip_grad_norm_(model, max_norm) for the global norm",
                 RuntimeWarning,
             )
         return agreed[0].item() == 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``_reduced_grad`` and ``_accumulated_grad`` of dedicated parameters and the FSDP2 gradients."""
-        for p in self._dmuon.params.values():
-            p._reduced_grad = None
-            p._accumulated_grad = None
+        """Clear the dedicated matrices' gradients (their records' and ``p.grad``) and the FSDP2 gradients."""
+        for p, record in zip(self._dmuon.params.values(), self._dmuon.records.values()):
+            record.reduced_grad = record.accumulated_grad = None
             p.grad = None
         for bucket in self._dmuon.buckets:  # what a backward that raised left unreduced
             bucket.ready.clear()
@@ -469,7 +472,7 @@ def _lower(model: nn.Module, state, param_groups, muon_hyper: dict, adamw_hyper:
             if id(p) in seen:
                 raise ValueError(f"{names[id(p)]} is in param_groups {seen[id(p)]} and {group_name}: put it in one")
             seen[id(p)] = group_name
-            if p in state.name_of and (route or p._dmuon_policy.optimizer) == "muon":
+            if p in state.name_of and (route or record_of(p).policy.optimizer) == "muon":
                 muon_params.append(p)
             else:
                 adamw_params.append(p)

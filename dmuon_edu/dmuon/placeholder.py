@@ -42,20 +42,23 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from .record import is_dedicated, record_of
 
 __all__ = ["DedicatedParameter", "PublishingParameter", "PublishingDTensor", "make_placeholder", "guard_state_dict",
            "hold", "release", "is_resident", "publishing", "landed"]
 
 # Metadata a placeholder answers for the matrix: these read no values.
 _SHAPE_ANSWERS = {
-    "shape": lambda p, *a: p._dmuon_shape,
-    "size": lambda p, dim=None: p._dmuon_shape if dim is None else p._dmuon_shape[dim],
-    "dim": lambda p: len(p._dmuon_shape),
-    "ndim": lambda p: len(p._dmuon_shape),
-    "numel": lambda p: p._dmuon_shape.numel(),
-    "nelement": lambda p: p._dmuon_shape.numel(),
+    "shape": lambda p, *a: record_of(p).shape,
+    "size": lambda p, dim=None: record_of(p).shape if dim is None else record_of(p).shape[dim],
+    "dim": lambda p: len(record_of(p).shape),
+    "ndim": lambda p: len(record_of(p).shape),
+    "numel": lambda p: record_of(p).shape.numel(),
+    "nelement": lambda p: record_of(p).shape.numel(),
 }
 # Calls the placeholder itself answers correctly (it has the matrix's dtype and device).
 _PASS_THROUGH = {
@@ -81,12 +84,8 @@ def _name_of(func) -> str:
 
 
 class DedicatedParameter(nn.Parameter):
-    """A dedicated matrix on a rank that does not own it (see the module docstring)."""
-
-    _dmuon_name: str
-    _dmuon_owner_rank: int
-    _dmuon_rank: int
-    _dmuon_shape: torch.Size
+    """A dedicated matrix on a rank that does not own it (see the module docstring). Its record (record.py) holds
+    its name, owner and shape."""
 
     @classmethod
     def __torch_function__(cls, func, _types=(), args=(), kwargs=None):
@@ -104,16 +103,18 @@ class DedicatedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
     def _describe(self) -> str:
-        return (f"DedicatedParameter({self._dmuon_name}: shape {tuple(self._dmuon_shape)}, {self.dtype}, owned by "
-                f"rank {self._dmuon_owner_rank}; rank {self._dmuon_rank} holds no copy between uses)")
+        record = record_of(self)
+        return (f"DedicatedParameter({record.name}: shape {tuple(record.shape)}, {self.dtype}, owned by "
+                f"rank {record.owner_rank}; rank {_this_rank()} holds no copy between uses)")
 
 
 def _refusal(p: torch.Tensor, operation: str) -> str:
     """Why a non-owner cannot read the dedicated matrix ``p`` between uses, and what to call instead."""
+    record = record_of(p)
     return (
-        f"{p._dmuon_name} is owned by rank {p._dmuon_owner_rank}; rank {p._dmuon_rank} holds no copy of it "
+        f"{record.name} is owned by rank {record.owner_rank}; rank {_this_rank()} holds no copy of it "
         f"between uses (dmuon dedicated it), so `{operation}` has no values to read here. For its values call "
-        f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {p._dmuon_owner_rank}. "
+        f"dmuon.get_model_state_dict(model) on every rank (a collective), or read it on rank {record.owner_rank}. "
         "If the read is in the model's forward, a module reads the matrix without calling the module that holds "
         "it (nn.MultiheadAttention reads out_proj.weight so), and dmuon hooks the wrong one: pass dedicate_params "
         "a hook_boundary_predicate that selects the module whose forward reads it, e.g. "
@@ -121,15 +122,13 @@ def _refusal(p: torch.Tensor, operation: str) -> str:
     )
 
 
-def make_placeholder(p: nn.Parameter, name: str, owner: int, rank: int) -> None:
-    """Turn ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident (a DTensor: its local
-    tensor emptied; guard the modules holding it with :func:`guard_state_dict`)."""
-    p._dmuon_name, p._dmuon_owner_rank, p._dmuon_rank = name, owner, rank
-    if isinstance(p, DTensor):  # its _dmuon_shape is its local shard's (dedicate.py)
-        release(p)
-        return
-    p._dmuon_shape = p.shape
-    _remember_own_class(p)
+def _this_rank() -> int | str:
+    return dist.get_rank() if dist.is_initialized() else "this rank"
+
+
+def make_placeholder(p: nn.Parameter) -> None:
+    """Turn the dedicated matrix ``p`` (not owned by this rank) into a :class:`DedicatedParameter`, not resident (a
+    DTensor: its local tensor emptied; guard the modules holding it with :func:`guard_state_dict`)."""
     release(p)
 
 
@@ -150,7 +149,7 @@ def _refuse_absent_shards(module: nn.Module, prefix: str, keep_vars: bool) -> No
 def is_resident(p: torch.Tensor) -> bool:
     """Whether ``p`` holds the matrix's values now (always, on its owner)."""
     if isinstance(p, DTensor):
-        return getattr(p, "_dmuon_resident", True)
+        return not is_dedicated(p) or record_of(p).resident
     return not isinstance(p, DedicatedParameter)
 
 
@@ -160,33 +159,27 @@ def hold(p: nn.Parameter, values: torch.Tensor) -> None:
         # A copy with a storage of its own: torch.compile cannot fake a DTensor whose local tensor starts inside a
         # larger storage (the broadcast buffer), and fails on "a storage on different device meta" (torch 2.13).
         p._local_tensor = values.clone()
-        p._dmuon_resident = True
+        record_of(p).resident = True
         return
     with torch._C.DisableTorchFunctionSubclass():
         p.data = values
-    p.__class__ = p._dmuon_class
+    p.__class__ = record_of(p).own_class
 
 
 def release(p: nn.Parameter) -> None:
     """Drop ``p``'s values: its data becomes a zero-element tensor of its dtype and device."""
     if isinstance(p, DTensor):
         p._local_tensor = torch.empty(0, dtype=p.dtype, device=p.device)
-        p._dmuon_resident = False
+        record_of(p).resident = False
         return
     with torch._C.DisableTorchFunctionSubclass():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.__class__ = DedicatedParameter
 
 
-def _remember_own_class(p: nn.Parameter) -> None:
-    """Keep ``p``'s class (a user's Parameter subclass stays one), which every swap here returns it to."""
-    if "_dmuon_class" not in p.__dict__:
-        p._dmuon_class = type(p)
-
-
 class _Publishing:
     """What :class:`PublishingParameter` and :class:`PublishingDTensor` add: a read of values first lands the
-    publish in flight (``p._dmuon_land``, the state's wait_published, which calls :func:`landed`)."""
+    publish in flight (its record's ``land``, the state's wait_published, which calls :func:`landed`)."""
 
     __slots__ = ()  # no layout of its own: __class__ can switch between it and the plain class
 
@@ -203,7 +196,7 @@ class _Publishing:
 
     def _land(self) -> None:
         """Wait for the step result; after it this parameter is of its own class again (see :func:`landed`)."""
-        self._dmuon_land()
+        record_of(self).land()
         if isinstance(self, _Publishing):  # the publish that was to bring it never started: no value to serve
             raise RuntimeError(
                 f"a dedicated matrix of shape {tuple(self.shape)} is still waiting for its step result, which no "
@@ -244,13 +237,12 @@ class PublishingDTensor(_Publishing, DTensor):
 def publishing(p: nn.Parameter, land) -> None:
     """Mark ``p`` as awaiting its step result: its next read calls ``land()`` first, which must call
     :func:`landed` on it."""
-    _remember_own_class(p)
-    p._dmuon_land = land
+    record_of(p).land = land
     p.__class__ = PublishingDTensor if isinstance(p, DTensor) else PublishingParameter
 
 
 def landed(p: nn.Parameter) -> None:
     """``p`` holds its step result: of its own class again."""
     if isinstance(p, _Publishing):
-        p.__class__ = p._dmuon_class
-        del p._dmuon_land
+        record = record_of(p)
+        p.__class__, record.land = record.own_class, None

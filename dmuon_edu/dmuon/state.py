@@ -45,6 +45,7 @@ from . import tp
 from .dedicate import DMuonState, state_of
 from .names import fqn
 from .optim import Muon, require_built_for
+from .record import record_of
 
 __all__ = [
     "StateDictOptions",
@@ -94,16 +95,17 @@ def _full(state: DMuonState, p: nn.Parameter, value: torch.Tensor | None, shape=
     """A full copy of a tensor of a dedicated parameter's on every rank, on the mesh's device: ``value`` is the
     owner's (ignored elsewhere), of ``shape`` and ``dtype`` (default: the parameter's).
     With a replicate mesh the owner first sends it to the holders of the other replicas."""
-    if getattr(p, "_dmuon_tp", None) is not None:
+    record = record_of(p)
+    if record.tp is not None:
         return tp.full_tensor(state, p, value, shape, dtype)
     owner = state.owner_of(p)
-    shape = p._dmuon_shape if shape is None else shape
+    shape = record.shape if shape is None else shape
     buffer = (value.detach().to(state.mesh_device, copy=True) if state.steps(p)
-              else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
+              else torch.empty(shape, dtype=dtype or record.dtype, device=state.mesh_device))
     if state.replicas > 1 and state.owns(p):
-        with state.replicate_order.collective(f"the state dict's broadcast of {state.name_of[p]} from replica "
-                                              f"{p._dmuon_replica}"):
-            dist.broadcast(buffer, group=state.replicate_group, group_src=p._dmuon_replica)
+        with state.replicate_order.collective(f"the state dict's broadcast of {record.name} from replica "
+                                              f"{record.replica}"):
+            dist.broadcast(buffer, group=state.replicate_group, group_src=record.replica)
     with state.order.collective(f"the state dict's broadcast of {state.name_of[p]} from rank {owner}"):
         dist.broadcast(buffer, group=state.group, group_src=owner)
     return buffer
@@ -158,7 +160,7 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
         if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
             if id(value) not in fetched:
-                fetched[id(value)] = _full(state, value, value._dmuon_master if state.steps(value) else None)
+                fetched[id(value)] = _full(state, value, record_of(value).master if state.steps(value) else None)
             value = fetched[id(value)]
         result[fqn(name)] = _out(value.detach(), options)
     return result if _kept(state, rank0_only) else {}
@@ -212,7 +214,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], options: 
         value = incoming[name].detach()  # a state dict of parameters may track gradients
         if _is_dedicated(state, target):
             if state.owns(target):
-                _copy_into(target._dmuon_master, tp.local_part(target, value))
+                _copy_into(record_of(target).master, tp.local_part(record_of(target), value))
         else:
             _copy_into(target, value)
     state.release_all()  # non-owner copies may be stale now
@@ -266,9 +268,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, options: StateDi
 
 # A dedicated matrix's optimizer state, by its group's optimizer: {key: (shape, dtype)}.
 _DEDICATED_STATE = {
-    "muon": lambda p: {"momentum_buffer": (DMuonState.full_shape(p), p._dmuon_dtype)},
-    "adamw": lambda p: {"step": ((), _get_scalar_dtype()), "exp_avg": (p._dmuon_shape, p._dmuon_dtype),
-                        "exp_avg_sq": (p._dmuon_shape, p._dmuon_dtype)},
+    "muon": lambda p: {"momentum_buffer": (DMuonState.full_shape(p), record_of(p).dtype)},
+    "adamw": lambda p: {"step": ((), _get_scalar_dtype()), "exp_avg": (record_of(p).shape, record_of(p).dtype),
+                        "exp_avg_sq": (record_of(p).shape, record_of(p).dtype)},
 }
 
 

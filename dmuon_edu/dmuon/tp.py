@@ -42,6 +42,7 @@ DTensor's own shape errors, not dmuon's named refusal).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .order import CollectiveOrder
 
+if TYPE_CHECKING:  # record.py holds a TPShard in each record
+    from .record import MatrixRecord
+
 __all__ = ["TPShard", "find_tp_mesh", "require_grid", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
 
 
 @dataclass(eq=False)
 class TPShard:
-    """What a rank knows of one TP-sharded dedicated matrix (``p._dmuon_tp``)."""
+    """Where tensor parallelism puts one dedicated matrix (its MatrixRecord's ``tp``: record.py)."""
 
     group: dist.ProcessGroup  # the TP group: the ranks of this rank's DP index
     index: int  # this rank's place in it
@@ -66,6 +70,7 @@ class TPShard:
     full_shape: torch.Size
     order: CollectiveOrder  # the TP group's collectives, in the same order on each of its ranks
     proxy: torch.Tensor | None = None  # on the TP owner's DP owner: the full-shape tensor its Muon steps
+    proxy_grad: torch.Tensor | None = None  # there, between the gather and the step: the whole matrix's gradient
 
 
 def _refuse(message: str) -> None:
@@ -135,77 +140,77 @@ def shard_dim(p: torch.Tensor, tp_mesh: DeviceMesh | None) -> int | None:
     return placement.dim if isinstance(placement, Shard) else None
 
 
-def _proxies(state) -> list[tuple[nn.Parameter, TPShard]]:
-    """The trainable TP-sharded matrices this rank holds (it is their DP owner in its column), in model order.
-    A frozen one takes no part in the step: no gradient to gather, and no weight decay."""
-    return [(p, p._dmuon_tp) for p in state.params.values()
-            if getattr(p, "_dmuon_tp", None) is not None and p.requires_grad and state.receives_gradient(p)]
+def _proxies(state) -> list[tuple[str, MatrixRecord]]:
+    """The trainable TP-sharded matrices this rank holds (it is their DP owner in its column), in model order, with
+    their records. A frozen one takes no part in the step: no gradient to gather, and no weight decay."""
+    return [(name, state.records[name]) for name, p in state.params.items()
+            if state.records[name].tp is not None and p.requires_grad and state.receives_gradient(p)]
 
 
-def _check_together(proxies: list[tuple[nn.Parameter, TPShard]], descriptions: list[str]) -> list[int]:
+def _check_together(proxies: list[tuple[str, MatrixRecord]], descriptions: list[str]) -> list[int]:
     """The order check of collectives issued together on this rank's TP group (every proxy's), in one batch."""
     if not proxies:
         return []
-    tp = proxies[0][1]
-    return tp.order.check_all(descriptions)
+    return proxies[0][1].tp.order.check_all(descriptions)
 
 
 def gather_gradients(state) -> None:
-    """Step 1: each TP group's averaged gradient shards to the TP owner, joined into ``proxy._reduced_grad``;
+    """Step 1: each TP group's averaged gradient shards to the TP owner, joined into ``tp.proxy_grad``;
     the proxy is zeroed, so that Muon leaves the update in it."""
     proxies = _proxies(state)
-    shards = [p._reduced_grad if p._reduced_grad is not None else torch.zeros_like(p._dmuon_master)
-              for p, _ in proxies]
-    descriptions = [f"the TP gather of {state.name_of[p]}'s gradient to TP rank {tp.owner} ({shard.numel()} values each)"
-                    for (p, tp), shard in zip(proxies, shards)]
+    shards = [r.reduced_grad if r.reduced_grad is not None else torch.zeros_like(r.master) for _, r in proxies]
+    descriptions = [f"the TP gather of {name}'s gradient to TP rank {r.tp.owner} ({shard.numel()} values each)"
+                    for (name, r), shard in zip(proxies, shards)]
     pending = []
-    for (p, tp), shard, event, description in zip(proxies, shards, _check_together(proxies, descriptions), descriptions):
+    for (_, r), shard, event, description in zip(proxies, shards, _check_together(proxies, descriptions), descriptions):
+        tp = r.tp
         pieces = [torch.empty_like(shard) for _ in range(tp.size)] if tp.index == tp.owner else None
         work = dist.gather(shard.contiguous(), pieces, group=tp.group, group_dst=tp.owner, async_op=True)
-        pending.append((p, tp, pieces, event, description, work))
-    for p, tp, pieces, event, description, work in pending:
+        pending.append((tp, pieces, event, description, work))
+    for tp, pieces, event, description, work in pending:
         with tp.order.waiting(event, description):
             work.wait()
         if pieces is not None:
             tp.proxy.zero_()
-            tp.proxy._reduced_grad = torch.cat(pieces, dim=tp.dim)
+            tp.proxy_grad = torch.cat(pieces, dim=tp.dim)
 
 
 def apply_updates(state, hyper_of) -> None:
     """Step 3: the TP owner scatters the update's shards; each DP owner decays its shard and adds its part.
     ``hyper_of(p)`` gives (lr, weight_decay) of p's Muon group."""
     proxies = _proxies(state)
-    descriptions = [f"the TP scatter of {state.name_of[p]}'s update from TP rank {tp.owner} "
-                    f"({p._dmuon_master.numel()} values each)" for p, tp in proxies]
+    descriptions = [f"the TP scatter of {name}'s update from TP rank {r.tp.owner} ({r.master.numel()} values each)"
+                    for name, r in proxies]
     pending = []
-    for (p, tp), event, description in zip(proxies, _check_together(proxies, descriptions), descriptions):
-        received = torch.empty_like(p._dmuon_master)
+    for (name, r), event, description in zip(proxies, _check_together(proxies, descriptions), descriptions):
+        tp = r.tp
+        received = torch.empty_like(r.master)
         pieces = list(tp.proxy.chunk(tp.size, dim=tp.dim)) if tp.index == tp.owner else None
         pieces = [piece.contiguous() for piece in pieces] if pieces is not None else None
         work = dist.scatter(received, pieces, group=tp.group, group_src=tp.owner, async_op=True)
-        pending.append((p, tp, received, event, description, work))
-    for p, tp, received, event, description, work in pending:
-        with tp.order.waiting(event, description):
+        pending.append((name, r, received, event, description, work))
+    for name, r, received, event, description, work in pending:
+        with r.tp.order.waiting(event, description):
             work.wait()
-        if tp.proxy is not None:
-            tp.proxy._reduced_grad = None
-        lr, weight_decay = hyper_of(p)
-        p._dmuon_master.mul_(1 - lr * weight_decay).add_(received)
+        r.tp.proxy_grad = None
+        lr, weight_decay = hyper_of(state.params[name])
+        r.master.mul_(1 - lr * weight_decay).add_(received)
 
 
 def full_tensor(state, p: nn.Parameter, value: torch.Tensor | None, shape, dtype) -> torch.Tensor:
     """A full copy on every rank of the TP-sharded matrix ``p`` (``shape`` None: its values, from the shards
     of the DP owners) or of a full-shape state tensor its TP owner keeps (its momentum: ``value`` there)."""
-    tp: TPShard = p._dmuon_tp
     name = state.name_of[p]
+    record = state.records[name]
+    tp = record.tp
     if shape is not None:  # the TP owner's full state: one broadcast over every rank
         buffer = (value.detach().clone() if state.steps(p)
-                  else torch.empty(shape, dtype=dtype or p._dmuon_dtype, device=state.mesh_device))
+                  else torch.empty(shape, dtype=dtype or record.dtype, device=state.mesh_device))
         with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner"):
             dist.broadcast(buffer, src=state.owners[name])
         return buffer
-    shard = (p._dmuon_master.detach().clone() if state.owns(p)
-             else torch.empty(p._dmuon_shape, dtype=p._dmuon_dtype, device=state.mesh_device))
+    shard = (record.master.detach().clone() if state.owns(p)
+             else torch.empty(record.shape, dtype=record.dtype, device=state.mesh_device))
     with state.order.collective(f"the state dict's broadcast of {name}'s shard from rank {state.owner_of(p)}"):
         dist.broadcast(shard, group=state.group, group_src=state.owner_of(p))
     pieces = [torch.empty_like(shard) for _ in range(tp.size)]
@@ -214,7 +219,7 @@ def full_tensor(state, p: nn.Parameter, value: torch.Tensor | None, shape, dtype
     return torch.cat(pieces, dim=tp.dim)
 
 
-def local_part(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a full tensor of ``p`` (the tensor itself for a matrix that is not TP-sharded)."""
-    tp: TPShard | None = getattr(p, "_dmuon_tp", None)
+def local_part(record: MatrixRecord, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a full tensor of a matrix (the tensor itself for a matrix that is not TP-sharded)."""
+    tp = record.tp
     return full if tp is None else full.chunk(tp.size, dim=tp.dim)[tp.index]

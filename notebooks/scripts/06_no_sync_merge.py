@@ -2,11 +2,13 @@
 
 dmuon reduces a gradient to its owner from a hook that autograd calls as soon as the
 parameter's gradient of this backward is complete (register_post_accumulate_grad_hook).
-Inside no_sync the hook only adds the local gradient into ``p._accumulated_grad`` and
-sends nothing (``accumulate_locally``, given); outside it, ``merge_and_reduce`` runs.
+Inside no_sync the hook only adds the local gradient into the matrix's record
+(``dmuon.record_of(p).accumulated_grad``) and sends nothing (``accumulate_locally``,
+given); outside it, ``merge_and_reduce`` runs.
 
 This script is that hook in miniature, on a replicated model (as in module 6a's first
-exercise). The window runs with no_sync on the first N-1 micro-batches, then again
+exercise). The miniature has no records: it keeps the two gradients on the parameter, as
+``p._accumulated_grad`` and ``p._reduced_grad``. The window runs with no_sync on the first N-1 micro-batches, then again
 without no_sync at all: both must equal the single-process step, the first with N times
 fewer reduce bytes.
 

@@ -75,7 +75,7 @@ def run(problem, ranks, mesh, with_dmuon):
                  if dmuon.ownership(model)[name] == ranks.rank}
 
         def gradient():  # this rank's owned matrices' gradients, zeros elsewhere; the ranks' sum is everything
-            return torch.cat([p._reduced_grad.flatten() if name in owned else torch.zeros(p.numel())
+            return torch.cat([dmuon.record_of(p).reduced_grad.flatten() if name in owned else torch.zeros(p.numel())
                               for name, p in dedicated_parameters(model).items()])
 
         def parameters():

@@ -66,8 +66,8 @@ def record_owner_gradients(model, optimizer):
     recorded = dict.fromkeys(owned)
 
     def record(_optimizer, _args, _kwargs):
-        recorded.update({name: None if p._reduced_grad is None else p._reduced_grad.clone()
-                         for name, p in owned.items()})
+        gradients = {name: dmuon.record_of(p).reduced_grad for name, p in owned.items()}
+        recorded.update({name: None if g is None else g.clone() for name, g in gradients.items()})
 
     optimizer.register_step_pre_hook(record)
     return recorded

@@ -676,9 +676,10 @@ def check_public_api(mesh, directory):
     mine, (x, y), total = window(0, rank, world)
     for xb, yb in mine:
         (F.mse_loss(model(xb), yb, reduction="sum") * world / (total * OUT)).backward()
-    before = [p._reduced_grad.clone() for p in opt._owned]
+    owned = [dmuon.record_of(p) for p in model._dmuon.params.values() if model._dmuon.steps(p)]
+    before = [r.reduced_grad.clone() for r in owned]
     stats = opt.clip_grad_norm_(None)  # the public method, i.e. dmuon.clip_grad_norm_(opt, None)
-    unchanged = all(torch.equal(b, p._reduced_grad) for b, p in zip(before, opt._owned))
+    unchanged = all(torch.equal(b, r.reduced_grad) for b, r in zip(before, owned))
     inf_norm = dmuon.clip_grad_norm_(model, None, norm_type=float("inf")).total_norm.item()
     full_norm = dmuon.clip_grad_norm_(model, None).total_norm.item()
     opt.zero_grad()
@@ -1065,10 +1066,16 @@ def _storage_ok(model):
     """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them (under
     tensor parallelism: all of its TP shard)."""
     state = model._dmuon
-    owned = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for p in state.params.values()
-                if state.owns(p))
+    owned = sum(r.master.numel() * r.master.element_size() for p, r in zip(state.params.values(),
+                                                                           state.records.values()) if state.owns(p))
     return dmuon.held_bytes(model) == owned and not any(
         is_resident(p) for p in state.params.values() if not state.owns(p))
+
+
+def attributes_of_dedicated(model):
+    """Every instance attribute the dedicated parameters carry, over all of them (one record's pointer expected),
+    but torch's own: nn.Parameter marks a parameter of a tensor subclass (a DTensor, under TP) with _is_param."""
+    return sorted({key for p in model._dmuon.params.values() for key in vars(p)} - {"_is_param"})
 
 
 def check_structure(mesh):
@@ -1097,21 +1104,21 @@ def check_structure(mesh):
             raised = str(e)
     state = model._dmuon
     report("no_sync", reduce_calls=counts.calls.get("reduce", 0), reduce_scatter_calls=counts.calls.get("reduce_scatter", 0),
-           all_accumulated=all(p._accumulated_grad is not None for p in state.params.values()),
-           none_reduced=all(p._reduced_grad is None for p in state.params.values()),
+           all_accumulated=all(r.accumulated_grad is not None for r in state.records.values()),
+           none_reduced=all(r.reduced_grad is None for r in state.records.values()),
            step_raised=raised)
 
     # The next backward outside no_sync merges and reduces; zero_grad clears everything.
     model(x).square().mean().backward()
     owned = [p for p in state.params.values() if state.owns(p)]
-    merged = all(p._accumulated_grad is None for p in state.params.values()) and all(
-        p._reduced_grad is not None for p in owned)
+    merged = all(r.accumulated_grad is None for r in state.records.values()) and all(
+        dmuon.record_of(p).reduced_grad is not None for p in owned)
     fsdp_grads = any(p.grad is not None for p in model.parameters() if isinstance(p, DTensor))
     opt.zero_grad()
-    cleared = all(p._reduced_grad is None and p._accumulated_grad is None for p in state.params.values()) and all(
+    cleared = all(r.reduced_grad is None and r.accumulated_grad is None for r in state.records.values()) and all(
         p.grad is None for p in model.parameters())
     report("zero_grad", merged_and_reduced=all(per_rank(merged)), fsdp_had_grads=fsdp_grads,
-           cleared_every_rank=all(per_rank(cleared)))
+           cleared_every_rank=all(per_rank(cleared)), attributes=per_rank(attributes_of_dedicated(model)))
 
     # Z2 residency: resident from the first forward through the window, released by step().
     model, opt = build(mesh, zero3=False)
@@ -1125,7 +1132,7 @@ def check_structure(mesh):
     opt.step()
     opt.zero_grad()
     report("z2_residency", resident_through_window=all(all(r) for r in per_rank(resident)),
-           released_by_step=all(per_rank(_storage_ok(model))))
+           released_by_step=all(per_rank(_storage_ok(model))), attributes=per_rank(attributes_of_dedicated(model)))
 
 
 def check_hsdp_publish(mesh, directory):
@@ -1166,8 +1173,8 @@ def check_hsdp_frozen(mesh):
         model._dmuon.wait_published()
     totals = dmuon.summarize_comm_plan(model)["totals"]
     state = model._dmuon
-    held_trainable = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for n, p in state.params.items()
-                         if state.owns(p) and n != frozen)
+    held_trainable = sum(state.records[n].master.numel() * state.records[n].master.element_size()
+                         for n, p in state.params.items() if state.owns(p) and n != frozen)
     report("hsdp_frozen", k=K, counted=per_rank(counted.bytes.get("broadcast", 0)),
            planned_per_layer=per_rank(totals["broadcast_tensor_bytes"]),
            planned_publish=per_rank(totals["post_step_replicate_broadcast_tensor_bytes_this_rank"]),
@@ -1539,7 +1546,7 @@ def check_order_modes(mesh):
     state.order.gloo = False  # as on NCCL, where nothing refuses the event before it runs: only the timeout tells
     # Each rank waits in a broadcast from the other: both receive, both time out.
     target = next(p for p in state.params.values() if not state.owns(p))
-    buffer = torch.empty(target._dmuon_shape)
+    buffer = torch.empty(dmuon.record_of(target).shape)
 
     def wait():
         description = f"a test broadcast of {state.name_of[target]} from rank {state.owner_of(target)}"
@@ -1652,7 +1659,7 @@ def check_ddp_tp(mesh):
     totals = dmuon.summarize_comm_plan(model)["totals"]
     plan = {"reduce": totals["stage1_shard_reduce_tensor_bytes"], "broadcast": totals["broadcast_tensor_bytes"],
             "gather": totals["tp_gather_tensor_bytes_this_rank"], "scatter": totals["tp_scatter_tensor_bytes_this_rank"]}
-    local_bytes = sum(p._dmuon_master.numel() * p._dmuon_master.element_size() for p in model._dmuon.params.values())
+    local_bytes = sum(r.master.numel() * r.master.element_size() for r in model._dmuon.records.values())
 
     weights = dmuon.get_model_state_dict(model, rank0_only=False)
     state = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
@@ -1728,7 +1735,7 @@ def check_ddp_tp_api(mesh):
            sharded_adamw_refusal=per_rank(refused),
            units=[u.path for u in model._dmuon.units], groups=[g["group_name"] for g in opt.param_groups],
            routed=routes.get(DDP_TP_ROUTED),
-           tp_sharded=sorted(n for n, p in model._dmuon.params.items() if getattr(p, "_dmuon_tp", None)))
+           tp_sharded=sorted(n for n, p in model._dmuon.params.items() if dmuon.record_of(p).tp))
 
 
 def check_hook_boundaries_tp(mesh):
@@ -1747,7 +1754,7 @@ def check_hook_boundaries_tp(mesh):
         result[layout] = dict(
             max_abs_diff=diff, largest_change=moved, units=[u.path for u in model._dmuon.units],
             storage_ok=all(per_rank(_storage_ok(model))),
-            tp_sharded=sorted(n for n, p in model._dmuon.params.items() if getattr(p, "_dmuon_tp", None)),
+            tp_sharded=sorted(n for n, p in model._dmuon.params.items() if dmuon.record_of(p).tp),
             dedicated=sorted(model._dmuon.params))
     report("hook_boundaries_tp", **result)
 
@@ -1873,8 +1880,8 @@ def check_ddp(mesh):
     report("ddp_compute_dtype_and_frozen", plan=per_rank(_planned_bytes(model)),
            counted=per_rank({name: counted.bytes.get(name, 0) for name in ("broadcast", "reduce")}),
            trainable_bytes=dedicated_bytes(_initial_model()) - frozen_bytes,
-           forward_dtypes=sorted(set(seen)), master_dtypes=sorted({str(p._dmuon_master.dtype)
-                                                                    for p in model._dmuon.params.values()}))
+           forward_dtypes=sorted(set(seen)), master_dtypes=sorted({str(r.master.dtype)
+                                                                    for r in model._dmuon.records.values()}))
 
 
 def check_direct_reads(mesh, backend):
@@ -1921,15 +1928,18 @@ def check_direct_reads(mesh, backend):
         reads[kind] = {n: local(r) for n, r in zip(names, read)}
         moved.append(min((local(p.detach()) - b).abs().max().item() for p, b in zip(params, before)))  # landed now
     # the ranks whose masters the step wrote (the others receive them): the owner, HSDP's stepping replica's holder
-    made_here = {n: state.receives_gradient(p) and p._dmuon_replica == state.replica for n, p in zip(names, params)}
+    made_here = {n: state.receives_gradient(p) and dmuon.record_of(p).replica == state.replica
+                 for n, p in zip(names, params)}
     everyone = per_rank((state.tp_index, made_here, reads))
+    attributes = per_rank(attributes_of_dedicated(model))
     maker = {(column, n): theirs for column, made, theirs in everyone for n, here in made.items() if here}
     differences = {kind: max((theirs[kind][n] - maker[column, n][kind][n]).abs().max().item()
                              for column, _, theirs in everyone for n in theirs[kind]) for kind in reads}
     report(f"direct_reads_{backend}", max_abs_diff_to_stepper=differences,
            min_change_by_a_step=min(per_rank(min(moved))),
            matrices_read_per_rank=[len(theirs["clone"]) for _, _, theirs in everyone],
-           stepped_elsewhere_per_rank=[sum(not here for here in made.values()) for _, made, _ in everyone])
+           stepped_elsewhere_per_rank=[sum(not here for here in made.values()) for _, made, _ in everyone],
+           attributes=attributes)
 
 
 def check_ddp_tied(mesh):
