@@ -79,10 +79,11 @@ to by the parameter (``p._dmuon_record``, its one dmuon attribute).
 
 Modules, each importing only those before it: plan.py (owners), names.py (names
 without wrapper segments), order.py (the same collectives on every rank), policy.py
-(per-parameter routes and dtypes), tp.py (tensor parallelism: a matrix's TP placement,
-its gathers and scatters), record.py (one record per matrix), fsdp_exclusion.py,
-placeholder.py (non-owners' guarded placeholders), boundary.py (hook boundaries),
-dedicate.py (dedicate_params, residency and gradient hooks, no_sync, ownership),
+(per-parameter routes and dtypes), record.py (one record per matrix, its TP placement
+included), tp.py (tensor parallelism's gathers and scatters), schedule.py (which units
+to broadcast, land and release at each hook event), fsdp_exclusion.py, placeholder.py
+(non-owners' guarded placeholders), boundary.py (hook boundaries), dedicate.py
+(dedicate_params, the hooks that carry out the schedule, gradients, no_sync, ownership),
 dedicated_params.py (the public getters' snapshots), ddp.py (dedicate_params_ddp,
 replicate, and their TP forms), clip.py (clip_grad_norm_), ns_backend.py (the
 Newton-Schulz choice), optim.py (Muon), state.py (state dicts), diagnostics.py (summaries

@@ -5,11 +5,12 @@ Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
 which the parameter points to. Hooks, all registered by :func:`dedicate_params`:
 
 - on each *unit* (the module of a layer, its hook boundary: boundary.py), a forward
-  pre-hook that issues the unit's broadcasts (one per owner and dtype, packed) and those
-  of the next ``prefetch_depth`` units, then waits for its own; and a forward hook that,
-  in Z3, releases them again and arranges for the broadcast to be repeated when backward
-  reaches the unit (a hook on the unit's outputs, which autograd runs before the unit's
-  own backward), prefetching the previous units' there;
+  pre-hook and a forward hook. They raise the unit's events, and :meth:`DMuonState.run`
+  carries out what the schedule (schedule.py) lists for each: issue a unit's broadcasts
+  (one per owner and dtype, packed), land them, release them, and watch for the unit's
+  backward (a hook on its outputs, which autograd runs before the unit's own backward)
+  and for its end (a multi-grad hook on its inputs). In Z3 a unit is broadcast again when
+  the backward reaches it; each broadcast is issued ``prefetch_depth`` units ahead;
 - on each trainable dedicated parameter, a post-accumulate-grad hook: inside no_sync it
   moves ``p.grad`` into its record's ``accumulated_grad``; outside, it adds that
   and puts the gradient in its *bucket* (the matrices of one unit with one owner and
@@ -22,9 +23,8 @@ Residency has one record: ``Unit.resident``, set when the unit's broadcasts are 
 cleared when it is released. A non-owner holds a matrix exactly while some resident unit
 uses it (:meth:`DMuonState.release` drops it when the last one goes). In Z3 a unit is
 released after its forward, and after its backward: when autograd has computed the
-gradients of the unit's inputs (a multi-grad hook on them, registered at the forward, as
-FSDP2 does), or at the end of the backward for a unit whose inputs need none (the first
-layer's). So a frozen matrix (``requires_grad=False``), which gets no gradient hook, is
+gradients of the unit's inputs, or at the end of the backward for a unit whose inputs need
+none (the first layer's). So a frozen matrix (``requires_grad=False``), which gets no gradient hook, is
 freed like any other.
 
 Every collective is asynchronous (``async_op=True``) and waited just before its result
@@ -67,7 +67,8 @@ from dmuon_edu.arguments import require_called_as, require_module
 from dmuon_edu.distributed import release_gloo_workers_at_exit
 
 from . import fsdp_exclusion, placeholder, tp
-from .record import MatrixRecord, attach, record_of
+from .record import MatrixRecord, TPShard, attach, record_of
+from .schedule import Schedule
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
 from .order import CollectiveOrder, group_timeout
@@ -148,7 +149,7 @@ class DMuonState:
     # Whether a clip touched this window's gradients, for dmuon.Muon.step's check that a clip saw them all:
     symmetric_sample: torch.Tensor | None = None  # entries of the FSDP2 gradients as the last backward left them
     clipped: bool = False  # dmuon.clip_grad_norm_ scaled the gradients since the last backward
-    prefetch_depth: int = 1  # units whose broadcast is issued ahead of the one in use (dmuon.Muon sets it)
+    schedule: Schedule | None = None  # what the hooks do at each event (schedule.py); set once the units are known
     in_no_sync: bool = False
     # Forwards of the first unit since the last optimizer step: the micro-batch of the window, which the
     # order check's forward events name, so that ranks with different numbers of micro-batches are told so.
@@ -210,17 +211,22 @@ class DMuonState:
         return record.shape if record.tp is None else record.tp.full_shape
 
     # -- residency: Unit.resident is the one record (module docstring) ---------------
+    def run(self, event: str, unit: Unit | None = None, watched=()) -> None:
+        """Carry out the schedule's actions at ``event`` of ``unit`` (schedule.py) in order; a watch action hooks
+        the tensors in ``watched`` (the unit's inputs, or its outputs)."""
+        for action in self.schedule.actions(event, None if unit is None else unit.index):
+            target = None if action.unit is None else self.units[action.unit]
+            if action.verb == "release_all":
+                self.release_all()
+            elif action.verb in _WATCHERS:
+                _WATCHERS[action.verb](self, target, watched)
+            else:
+                getattr(self, _RESIDENCY_METHODS[action.verb])(target)
+
     def make_resident(self, unit: Unit) -> None:
         """The unit's dedicated parameters hold their values on every rank (issued now if not yet)."""
         self.issue_broadcasts(unit)
         self.land(unit)
-
-    def prefetch(self, unit: Unit, step: int) -> None:
-        """Issue the broadcasts of the ``prefetch_depth`` units after ``unit`` (step +1: forward, -1: backward)."""
-        for i in range(1, self.prefetch_depth + 1):
-            index = unit.index + step * i
-            if 0 <= index < len(self.units):
-                self.issue_broadcasts(self.units[index])
 
     def issue_broadcasts(self, unit: Unit) -> None:
         """Each owner starts sending the unit's matrices it owns, packed in one buffer per (owner, dtype)."""
@@ -369,8 +375,7 @@ class DMuonState:
         the results into the owners' records' ``reduced_grad``; in Z3, release the units still resident (those whose
         inputs needed no gradient, and prefetched ones whose backward did not come)."""
         self.end_of_backward_queued = False
-        if self.reshard_after_forward:
-            self.release_all()
+        self.run("end_of_backward")
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
@@ -780,8 +785,8 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     for name, p in params.items():
         record = records[name]
         if name in tp_sharded:
-            record.tp = tp.TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
-                                   tp_owner[name], p.shape, tp_order)
+            record.tp = TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
+                                tp_owner[name], p.shape, tp_order)
             if state.receives_gradient(p) and record.tp.index == record.tp.owner:
                 record.tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=record.master.device)
         if not state.owns(p):
@@ -793,6 +798,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                    if isinstance(p, DTensor) and not state.owns(p)}:
         placeholder.guard_state_dict(module)
     _build_units(model, state, aliases, boundaries)
+    state.schedule = Schedule(len(state.units), reshard_after_forward)
     model._dmuon = state
     return dict(owners)
 
@@ -931,38 +937,45 @@ def _outside_dynamo(hook):
 
 
 def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
-    if unit.index == 0 and torch._C._current_graph_task_id() == -1:  # a new forward, not a recomputation
+    recomputing = torch._C._current_graph_task_id() != -1  # inside a backward: activation checkpointing's rerun
+    if unit.index == 0 and not recomputing:  # a new forward
         state.microbatch += 1
     state.order.note(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")
-    state.issue_broadcasts(unit)
-    if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-        state.prefetch(unit, +1)
-        if state.reshard_after_forward and torch.is_grad_enabled():
-            needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needing:  # called once autograd has the gradients of all of them: the unit's backward is done
-                torch.autograd.graph.register_multi_grad_hook(needing, _outside_dynamo(lambda _grads: state.release(unit)))
-    state.land(unit)
+    state.run("recompute" if recomputing else "forward", unit, inputs)
 
 
 def _after_forward(state: DMuonState, unit: Unit, output) -> None:
-    # Inside a backward pass the forward is being recomputed (activation checkpointing): the
-    # unit's backward comes next and needs the parameters; the hook on its inputs releases them.
-    if not state.reshard_after_forward or torch._C._current_graph_task_id() != -1:
-        return
-    state.release(unit)
-    if torch.is_grad_enabled():
-        # Autograd runs a hook on an output's gradient before the backward of the
-        # operation that made the output, i.e. before the unit's backward.
-        def before_backward(grad):
-            state.queue_end_of_backward()
-            state.issue_broadcasts(unit)
-            state.prefetch(unit, -1)
-            state.land(unit)
+    if torch._C._current_graph_task_id() == -1:  # a rerun's end changes nothing: the unit's backward comes next
+        state.run("forward_end", unit, output)
 
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(before_backward)
+
+def _watch_backward(state: DMuonState, unit: Unit, outputs) -> None:
+    """Run the unit's "backward" event when autograd reaches it: a hook on an output's gradient runs before the
+    backward of the operation that made the output, i.e. before the unit's backward."""
+    if not torch.is_grad_enabled():
+        return
+
+    def before_backward(grad):
+        state.queue_end_of_backward()
+        state.run("backward", unit)
+
+    for t in tree_leaves(outputs):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(before_backward)
+
+
+def _watch_backward_end(state: DMuonState, unit: Unit, inputs) -> None:
+    """Run the unit's "backward_end" event once autograd has the gradients of all its inputs that need one, as
+    FSDP2 does. A unit whose inputs need none (the first layer's) ends with the backward ("end_of_backward")."""
+    needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if needing and torch.is_grad_enabled():
+        torch.autograd.graph.register_multi_grad_hook(
+            needing, _outside_dynamo(lambda _grads: state.run("backward_end", unit)))
+
+
+_WATCHERS = {"watch_backward": _watch_backward, "watch_backward_end": _watch_backward_end}
+_RESIDENCY_METHODS = {"issue": "issue_broadcasts", "land": "land", "release": "release"}
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ already holds every entry a checkpoint load fills.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import warnings
@@ -227,7 +228,7 @@ class Muon(torch.optim.Optimizer):
         for group in groups:  # a user group's own values too; the inner Muon checks its own
             _check_group(group)
 
-        self._dmuon.prefetch_depth = depth
+        self._dmuon.schedule = dataclasses.replace(self._dmuon.schedule, prefetch_depth=depth)
         self.replicate_async = replicate_async
         for order in self._dmuon.orders:
             order.mode = order_check
@@ -321,7 +322,7 @@ class Muon(torch.optim.Optimizer):
         self._dmuon.microbatch = 0  # the next forward starts the next window
         # Owners step their masters; no copy a layer used is needed after the last backward.
         self._dmuon.wait_published()
-        self._dmuon.release_all()
+        self._dmuon.run("step")
         if not self._agree_before_step():
             self._close_step_orders()
             self.skipped_steps += 1

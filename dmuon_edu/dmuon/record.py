@@ -18,13 +18,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from .order import CollectiveOrder
 from .policy import DMuonParamPolicy
-from .tp import TPShard
 
-__all__ = ["MatrixRecord", "record_of", "attach", "is_dedicated"]
+__all__ = ["MatrixRecord", "TPShard", "record_of", "attach", "is_dedicated"]
 
 RECORD_ATTRIBUTE = "_dmuon_record"
+
+
+@dataclass(eq=False)
+class TPShard:
+    """Where tensor parallelism puts one dedicated matrix (its MatrixRecord's ``tp``; tp.py says how it is used)."""
+
+    group: dist.ProcessGroup  # the TP group: the ranks of this rank's DP index
+    index: int  # this rank's place in it
+    size: int
+    dim: int  # the tensor dim that is sharded
+    owner: int  # the TP index of the rank that runs Muon on the full matrix
+    full_shape: torch.Size
+    order: CollectiveOrder  # the TP group's collectives, in the same order on each of its ranks
+    proxy: torch.Tensor | None = None  # on the TP owner's DP owner: the full-shape tensor its Muon steps
+    proxy_grad: torch.Tensor | None = None  # there, between the gather and the step: the whole matrix's gradient
 
 
 @dataclass(eq=False)

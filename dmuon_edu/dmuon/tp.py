@@ -41,8 +41,6 @@ DTensor's own shape errors, not dmuon's named refusal).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,27 +48,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .order import CollectiveOrder
+from .record import MatrixRecord, TPShard
 
-if TYPE_CHECKING:  # record.py holds a TPShard in each record
-    from .record import MatrixRecord
-
-__all__ = ["TPShard", "find_tp_mesh", "require_grid", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
-
-
-@dataclass(eq=False)
-class TPShard:
-    """Where tensor parallelism puts one dedicated matrix (its MatrixRecord's ``tp``: record.py)."""
-
-    group: dist.ProcessGroup  # the TP group: the ranks of this rank's DP index
-    index: int  # this rank's place in it
-    size: int
-    dim: int  # the tensor dim that is sharded
-    owner: int  # the TP index of the rank that runs Muon on the full matrix
-    full_shape: torch.Size
-    order: CollectiveOrder  # the TP group's collectives, in the same order on each of its ranks
-    proxy: torch.Tensor | None = None  # on the TP owner's DP owner: the full-shape tensor its Muon steps
-    proxy_grad: torch.Tensor | None = None  # there, between the gather and the step: the whole matrix's gradient
+__all__ = ["find_tp_mesh", "require_grid", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
 
 
 def _refuse(message: str) -> None:

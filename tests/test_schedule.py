@@ -1,0 +1,193 @@
+"""dmuon's residency schedule (schedule.py), tested in one process, as data.
+
+A small model of the hooks runs windows of micro-batches through a schedule: the events
+autograd would raise (a unit's backward events only where a watch action asked for them,
+as a hook on its tensors does), and a model of the executor's residency (``issue`` starts a
+broadcast unless the unit is resident; ``land`` completes it; ``release`` drops it). It
+checks what the schedule promises: every unit is landed when it computes, forward or
+backward; the broadcasts per step are the cost model's (Z3 2N per unit, Z2 one); Z3 holds a
+unit only while it and the ``prefetch_depth`` units next to it run, Z2 from its first forward
+to the step; nothing is held after the step. Each mutation of the schedule (a broadcast moved
+to another event, a release or a watch dropped) fails one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from dmuon_edu import dmuon
+from dmuon_edu.dmuon.schedule import Action, Schedule
+
+UNITS = 4
+
+
+@dataclasses.dataclass
+class Run:
+    """What a window's simulated hooks did, and what broke a promise (``faults``)."""
+
+    schedule: Schedule
+    checkpointed: str | None = None  # activation checkpointing: "non-reentrant" (checkpoint_wrapper's) or "reentrant"
+    resident: set = dataclasses.field(default_factory=set)
+    in_flight: set = dataclasses.field(default_factory=set)
+    watched: set = dataclasses.field(default_factory=set)  # (verb, unit) hooks registered this micro-batch
+    sends: dict = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    first_forward: set = dataclasses.field(default_factory=set)
+    recomputed: set = dataclasses.field(default_factory=set)  # units rerun in this backward
+    faults: list = dataclasses.field(default_factory=list)
+    phase: str = "forward"
+
+    def event(self, name, unit=None):
+        for action in self.schedule.actions(name, unit):
+            if action.verb == "issue" and action.unit not in self.resident:
+                self.resident.add(action.unit)
+                self.in_flight.add(action.unit)
+                self.sends[self.phase] += 1
+            elif action.verb == "land":
+                self.in_flight.discard(action.unit)
+            elif action.verb == "release":
+                self.in_flight.discard(action.unit)
+                self.resident.discard(action.unit)
+            elif action.verb == "release_all":
+                self.resident.clear()
+                self.in_flight.clear()
+            elif action.verb.startswith("watch") and not (self.checkpointed == "reentrant" and self.phase == "forward"):
+                self.watched.add((action.verb, action.unit))  # (a reentrant checkpoint's forward runs without grad)
+
+    def compute(self, unit, direction):
+        """A unit's forward (direction +1) or backward (-1) runs now: it must be landed, and Z3 must hold no
+        more than it and its prefetched neighbours."""
+        if unit not in self.resident or unit in self.in_flight:
+            self.faults.append(f"unit {unit} computed its {self.phase} without its matrices")
+        depth = self.schedule.prefetch_depth
+        # A unit rerun by a reentrant checkpoint has no hook to report its backward's end: held to the backward's end
+        near = {unit + direction * i for i in range(depth + 1)} | self.recomputed
+        if self.schedule.reshard_after_forward and not self.resident <= near:
+            self.faults.append(f"Z3 held {sorted(self.resident - near)} while unit {unit} ran its {self.phase}")
+        if not self.schedule.reshard_after_forward and not self.first_forward <= self.resident:
+            self.faults.append(f"Z2 dropped {sorted(self.first_forward - self.resident)} before the step")
+
+    def micro_batch(self):
+        self.watched.clear()
+        self.phase = "forward"
+        for u in range(UNITS):
+            self.event("forward", u)
+            self.compute(u, +1)
+            self.first_forward.add(u)
+            self.event("forward_end", u)
+        self.phase = "backward"
+        for u in reversed(range(UNITS)):
+            if ("watch_backward", u) in self.watched:  # a hook on the unit's outputs' gradients
+                self.event("backward", u)
+            if self.checkpointed:  # the unit's forward runs again, inside the backward
+                self.event("recompute", u)
+                if self.checkpointed == "reentrant":
+                    self.recomputed.add(u)
+            self.compute(u, -1)
+            if ("watch_backward_end", u) in self.watched and u > 0:  # the first unit's inputs need no gradient
+                self.event("backward_end", u)
+        self.event("end_of_backward")
+        self.recomputed.clear()
+        if self.schedule.reshard_after_forward and self.resident:
+            self.faults.append(f"Z3 held {sorted(self.resident)} after the backward")
+
+    def step(self):
+        self.event("step")
+        if self.resident:
+            self.faults.append(f"{sorted(self.resident)} still held after the step")
+        self.first_forward.clear()
+
+
+def run_window(schedule: Schedule, micro_batches: int, checkpointed: str | None = None) -> Run:
+    run = Run(schedule, checkpointed)
+    for _ in range(micro_batches):
+        run.micro_batch()
+    run.step()
+    return run
+
+
+def cost_model_passes(zero3: bool, micro_batches: int) -> dict[str, int]:
+    """Broadcasts of every unit per step, forward and backward, as step_time's cost model plans them: its
+    broadcast bytes in each pass over P_M, times the units."""
+    workload = dmuon.transformer(vocab=32, d_model=8, n_layer=UNITS, ffn=16, sequence=4, tokens=8)
+    layout = dmuon.Layout("fsdp2", "dmuon", reshard_after_forward=zero3)
+    planned = [c for c in dmuon.planned_collectives(workload, layout, world_size=2, micro_batches=micro_batches)
+               if c.what == "dmuon broadcasts"]
+    p_m = sum(math.prod(workload.shapes[name]) * 4 for name in workload.dedicated)
+    return {when: sum(c.bytes for c in planned if c.when == when) * UNITS // p_m for when in ("forward", "backward")}
+
+
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("checkpointed", [None, "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_the_schedule_keeps_its_promises_and_sends_what_the_cost_model_plans(zero3, depth, checkpointed, micro_batches):
+    run = run_window(Schedule(UNITS, zero3, depth), micro_batches, checkpointed)
+    assert run.faults == []
+    assert run.sends == cost_model_passes(zero3, micro_batches)
+    assert run.sends == ({"forward": micro_batches * UNITS, "backward": micro_batches * UNITS} if zero3 else
+                         {"forward": UNITS, "backward": 0})
+
+
+def test_the_cost_model_counts_two_broadcasts_per_micro_batch_in_z3_and_one_per_step_in_z2():
+    # What the schedule's sends are compared with, written out: the cost model's passes over P_M per step.
+    assert cost_model_passes(True, 4) == {"forward": 4 * UNITS, "backward": 4 * UNITS}
+    assert cost_model_passes(False, 4) == {"forward": UNITS, "backward": 0}
+
+
+def test_prefetch_issues_a_units_broadcast_while_the_one_before_it_runs():
+    forward = Schedule(UNITS, True, prefetch_depth=1).actions("forward", 1)
+    assert forward == (Action("issue", 1), Action("issue", 2), Action("watch_backward_end", 1), Action("land", 1))
+    backward = Schedule(UNITS, True, prefetch_depth=2).actions("backward", 2)
+    assert backward == (Action("issue", 2), Action("issue", 1), Action("issue", 0), Action("land", 2))
+    assert Schedule(UNITS, True, prefetch_depth=0).actions("forward", 3) == (
+        Action("issue", 3), Action("watch_backward_end", 3), Action("land", 3))
+
+
+def _mutated(schedule: Schedule, event: str, unit: int | None, change) -> Schedule:
+    table = dict(schedule.table)
+    table[event, unit] = tuple(change(list(table[event, unit])))
+    mutant = dataclasses.replace(schedule)
+    object.__setattr__(mutant, "table", table)
+    return mutant
+
+
+def _without(verb):
+    return lambda actions: [a for a in actions if a.verb != verb]
+
+
+MUTANTS = {
+    # Z3's backward broadcast issued at the backward's end instead of its start
+    "backward broadcast moved to backward_end": (True, lambda s: _mutated(
+        _mutated(s, "backward", 2, _without("issue")), "backward_end", 2, lambda a: [Action("issue", 2), *a])),
+    "forward broadcast moved to forward_end": (True, lambda s: _mutated(
+        _mutated(s, "forward", 1, lambda a: [x for x in a if x != Action("issue", 1)]), "forward_end", 1,
+        lambda a: [Action("issue", 1), *a])),
+    "Z3's release after the forward dropped": (True, lambda s: _mutated(s, "forward_end", 1, _without("release"))),
+    "Z3's release after the backward dropped": (True, lambda s: _mutated(s, "backward_end", 2, _without("release"))),
+    "the step's release dropped": (False, lambda s: _mutated(s, "step", None, _without("release_all"))),
+    "Z2 released after a forward": (False, lambda s: _mutated(s, "forward_end", 0, lambda a: [Action("release", 0)])),
+    "no watch of the backward": (True, lambda s: _mutated(s, "forward_end", 3, _without("watch_backward"))),
+    "the land before a forward dropped": (True, lambda s: _mutated(s, "forward", 2, _without("land"))),
+    "the recompute's broadcast dropped": (True, lambda s: _mutated(s, "recompute", 1, _without("issue"))),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_every_wrong_schedule_breaks_a_promise(name):
+    zero3, mutate = MUTANTS[name]
+    wrong = [run_window(mutate(Schedule(UNITS, zero3, depth)), 2, checkpointed)
+             for depth in (0, 1) for checkpointed in (None, "non-reentrant", "reentrant")]
+    # a mutation may go unnoticed in one setting (a prefetch may cover a moved broadcast), never in all of them
+    assert any(run.faults or run.sends != cost_model_passes(zero3, 2) for run in wrong), name
+
+
+def test_the_table_is_plain_data_a_reader_can_print():
+    z2 = Schedule(2, reshard_after_forward=False, prefetch_depth=1)
+    assert {key: list(map(repr, actions)) for key, actions in z2.table.items() if actions} == {
+        ("forward", 0): ["issue 0", "issue 1", "land 0"], ("forward", 1): ["issue 1", "land 1"],
+        ("recompute", 0): ["issue 0", "land 0"], ("recompute", 1): ["issue 1", "land 1"],
+        ("step", None): ["release_all"],
+    }
