@@ -117,16 +117,16 @@ def worker():
 
         def dmuon_with_comm():
             for unit in state.units:  # what the forward does (Z2: once per step)
-                state.make_resident(unit)
-            state.end_of_backward_queued = True  # no autograd engine to queue the end of backward on
+                state.residency.make_resident(unit)
+            state.gradients.end_of_backward_queued = True  # no autograd engine to queue the end of backward on
             for p, g in grads.items():  # what the backward hooks do: reduce each gradient to its owner
                 dmuon.record_of(p).reduced_grad = None
                 p.grad = g.clone()
-                state.on_grad(p)
+                state.gradients.on_grad(p)
             # finish_backward queues a callback on the autograd engine (its sample for the clip check), which
             # only a running backward accepts: call it from a hook of a one-element backward
             x = torch.zeros((), requires_grad=True)
-            (y := x * 1).register_hook(lambda grad: state.finish_backward())
+            (y := x * 1).register_hook(lambda grad: state.gradients.finish_backward())
             y.backward()
             opt.step()
 

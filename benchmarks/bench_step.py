@@ -291,7 +291,7 @@ def worker():
                 # broadcast of the DDP backend (on the DP axis's group under TP: the barrier would not wait for it),
                 # then the barrier, which waits for the slowest rank.
                 if name.startswith("dmuon"):
-                    runs[name][0]._dmuon.wait_published()
+                    runs[name][0]._dmuon.publisher.wait()
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
                 spent[name].append(dict(phases.spent))
@@ -305,7 +305,7 @@ def worker():
                 for order in state.orders:  # the collective alone: its order check is the step's cost, not the floor's
                     order.mode = "off"
                 alone[f"{name}: post-step broadcast"] = isolated_seconds(
-                    lambda state=state: (state.publish(), state.wait_published()))
+                    lambda state=state: (state.publisher.publish(), state.publisher.wait()))
 
         def per_rank(values):
             gathered = [None] * ranks.world_size

@@ -97,19 +97,20 @@ def instrument(phases: Phases) -> None:
     import torch
 
     from dmuon_edu import muon
-    from dmuon_edu.dmuon import ddp, dedicate, optim, order, tp
+    from dmuon_edu.dmuon import ddp, gradients, optim, order, publish, residency, tp
 
     phases.wrap_context(order.CollectiveOrder, "waiting", _wait_phase)
     phases.wrap(order.CollectiveOrder, "_record", "order check")  # check(), check_all() and note() call it
     hooks = "dmuon's hooks and copies"
-    for attribute in ("issue_broadcasts", "land", "release", "on_grad", "issue_reduce", "finish_backward", "publish",
-                      "wait_published", "_sample_after_backward"):
-        phases.wrap(dedicate.DMuonState, attribute, hooks)
-    for attribute in ("issue_broadcasts", "on_replicated_grad", "issue_all_reduce", "finish_replicated_backward",
-                      "publish", "wait_published"):
-        phases.wrap(ddp.DDPState, attribute, hooks)
-    for attribute in ("_before_forward", "_after_forward"):
-        phases.wrap(dedicate, attribute, hooks)
+    for cls, attributes in ((residency.Residency, ("issue_broadcasts", "land", "release")),
+                            (ddp.LocalCopies, ("issue_broadcasts",)),
+                            (gradients.Gradients, ("on_grad", "issue_reduce", "finish_backward",
+                                                   "_sample_after_backward")),
+                            (publish.Publisher, ("publish", "wait")), (ddp.OwnersBroadcast, ("publish", "wait")),
+                            (ddp.DDPState, ("on_replicated_grad", "issue_all_reduce", "finish_replicated_backward")),
+                            (residency, ("before_forward", "after_forward"))):
+        for attribute in attributes:
+            phases.wrap(cls, attribute, hooks)
     phases.wrap(optim.Muon, "step", hooks)
     phases.wrap(muon.Muon, "_step_same_shape", "Muon")
     phases.wrap(torch.optim.AdamW, "step", "AdamW")

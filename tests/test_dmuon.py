@@ -1436,7 +1436,7 @@ def test_the_public_tp_dp_snippet_runs_unchanged_and_matches_one_process():
 
 def test_a_publishing_matrix_keeps_its_own_class_and_a_read_whose_result_cannot_come_is_refused():
     # In one process, without a broadcast: publishing() marks a matrix whose step result is on its way; its
-    # first read calls land(), which (as the state's wait_published does) lands it with landed().
+    # first read calls land(), which (as the state's publisher does) lands it with landed().
     from dmuon_edu.dmuon import placeholder
     from dmuon_edu.dmuon.record import MatrixRecord, attach
 

@@ -82,8 +82,10 @@ without wrapper segments), order.py (the same collectives on every rank), policy
 (per-parameter routes and dtypes), record.py (one record per matrix, its TP placement
 included), tp.py (tensor parallelism's gathers and scatters), schedule.py (which units
 to broadcast, land and release at each hook event), fsdp_exclusion.py, placeholder.py
-(non-owners' guarded placeholders), boundary.py (hook boundaries), dedicate.py
-(dedicate_params, the hooks that carry out the schedule, gradients, no_sync, ownership),
+(non-owners' guarded placeholders), residency.py (the schedule's executor: the hooks,
+broadcasts, lands and releases), gradients.py (no_sync's accumulation, the reduces to the
+owners), publish.py (a step's results to the ranks that did not step them), boundary.py
+(hook boundaries), dedicate.py (dedicate_params, the model's state, no_sync, ownership),
 dedicated_params.py (the public getters' snapshots), ddp.py (dedicate_params_ddp,
 replicate, and their TP forms), clip.py (clip_grad_norm_), ns_backend.py (the
 Newton-Schulz choice), optim.py (Muon), state.py (state dicts), diagnostics.py (summaries

@@ -144,7 +144,7 @@ def clip_grad_norm_(optimizer: torch.optim.Optimizer | nn.Module, max_norm: floa
         for g in scaled:
             g.mul_(clip_coef.to(g.device, g.dtype))
         clipped = ~found_inf & (coefficient < 1.0)
-        state.clipped = True
+        state.gradients.clipped = True
     stats = MuonGradClipStats(total, max_norm, float(norm_type), clip_coef, clipped, len(counted), found_inf)
     if optimizer is not None:
         optimizer.last_muon_grad_clip_stats = stats

@@ -57,20 +57,9 @@ from dmuon_edu.arguments import require_module
 
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver
 from . import tp
-from .dedicate import (
-    DMuonState,
-    InFlight,
-    Unit,
-    _local,
-    _outside_dynamo,
-    _require_predicate,
-    _set_data,
-    dedicate,
-    finish_packed_broadcasts,
-    no_sync,
-    start_packed_broadcasts,
-    state_of,
-)
+from .dedicate import DMuonState, _require_predicate, dedicate, no_sync, state_of
+from .publish import Publisher, finish_packed_broadcasts, start_packed_broadcasts
+from .residency import InFlight, Residency, Unit, local, outside_dynamo, set_data
 from .policy import PolicyFn
 from .record import record_of
 
@@ -94,6 +83,45 @@ class Replicated:
     end_of_backward_queued: bool = False
 
 
+class LocalCopies(Residency):
+    """The DDP backend's residency: every rank holds every matrix, so nothing is broadcast before a forward; a
+    unit's "issue" makes its compute-dtype copies, and its release drops them."""
+
+    def issue_broadcasts(self, unit: Unit) -> None:
+        """Before a unit's first forward after a step: the step's results have landed, and each matrix is
+        computed with its policy's dtype."""
+        if unit.resident:
+            return
+        self.state.publisher.wait()
+        for p in unit.params:
+            dtype = self.state.compute_dtype(unit, p)
+            if dtype != record_of(p).dtype:
+                set_data(p, record_of(p).master.to(dtype))
+        unit.resident = True
+
+    def drop(self, p: nn.Parameter) -> None:
+        set_data(p, record_of(p).master)  # the compute copy goes; every rank keeps the master
+
+
+class OwnersBroadcast(Publisher):
+    """The DDP backend's publish: each owner's updated matrices to every rank."""
+
+    def publish(self) -> None:
+        """After the step: each owner starts broadcasting, one packed buffer per (owner, dtype)."""
+        state = self.state
+        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
+        for p in state.params.values():
+            if p.requires_grad:  # a frozen matrix never changes
+                packs.setdefault((state.owner_of(p), str(record_of(p).dtype)), []).append(p)
+        self.started += start_packed_broadcasts(packs, state.rank, state.group, state.mesh_device, state.order,
+                                                "the post-step broadcast of {n} matrices from rank {source}",
+                                                self.wait)
+
+    def wait(self) -> None:
+        """Wait for the step's broadcasts and copy the owners' results into every other rank's matrices."""
+        finish_packed_broadcasts(self.started, self.state.rank, self.state.order)
+
+
 @dataclass
 class DDPState(DMuonState):
     """DMuonState where every rank holds every dedicated matrix: its owner steps it and publishes the result."""
@@ -103,41 +131,13 @@ class DDPState(DMuonState):
                                      "mesh) take the plain model; they replace fully_shard, not join it")
     holds_every_matrix: ClassVar[bool] = True
     others_collectives_in_forward: ClassVar[bool] = False  # replicate()'s are dmuon's own (TP's are the exception)
+    residency_type: ClassVar[type] = LocalCopies
+    publisher_type: ClassVar[type] = OwnersBroadcast
 
     replicated: Replicated | None = None  # set by replicate()
 
     def owns(self, p: nn.Parameter) -> bool:
         return True  # every rank keeps the whole matrix (under tensor parallelism: its whole TP shard)
-
-    def issue_broadcasts(self, unit: Unit) -> None:
-        """Before a unit's first forward after a step: the step's results have landed, and each matrix is
-        computed with its policy's dtype. Nothing to broadcast: every rank holds the matrices."""
-        if unit.resident:
-            return
-        self.wait_published()
-        for p in unit.params:
-            dtype = self.compute_dtype(unit, p)
-            if dtype != record_of(p).dtype:
-                _set_data(p, record_of(p).master.to(dtype))
-        unit.resident = True
-
-    def _drop(self, p: nn.Parameter) -> None:
-        _set_data(p, record_of(p).master)  # the compute copy goes; every rank keeps the master
-
-    def publish(self) -> None:
-        """After the step: each owner starts broadcasting its updated matrices to every rank, one packed
-        buffer per (owner, dtype)."""
-        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
-        for p in self.params.values():
-            if p.requires_grad:  # a frozen matrix never changes
-                packs.setdefault((self.owner_of(p), str(record_of(p).dtype)), []).append(p)
-        self.publishing += start_packed_broadcasts(packs, self.rank, self.group, self.mesh_device, self.order,
-                                                   "the post-step broadcast of {n} matrices from rank {source}",
-                                                   self.wait_published)
-
-    def wait_published(self) -> None:
-        """Wait for the step's broadcasts and copy the owners' results into every other rank's matrices."""
-        finish_packed_broadcasts(self.publishing, self.rank, self.order)
 
     # -- the replicated parameters (replicate) -------------------------------------------
     def on_replicated_grad(self, p: nn.Parameter) -> None:
@@ -153,7 +153,7 @@ class DDPState(DMuonState):
 
     def queue_end_of_replicated_backward(self) -> None:
         if not self.replicated.end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_replicated_backward))
+            torch.autograd.Variable._execution_engine.queue_callback(outside_dynamo(self.finish_replicated_backward))
             self.replicated.end_of_backward_queued = True
 
     def issue_all_reduce(self, index: int) -> None:
@@ -162,7 +162,7 @@ class DDPState(DMuonState):
         group = self.replicated
         params = group.buckets[index]
         group.ready[index].clear()
-        flat = torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+        flat = torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
                           for p in params])
         description = f"the all-reduce of replicated gradients, bucket {index} ({flat.numel()} values of {flat.dtype})"
         event = self.order.check(description)
@@ -182,11 +182,11 @@ class DDPState(DMuonState):
                 sent.work.wait()
             offset = 0
             for p in sent.params:
-                local = _local(p)
-                average = sent.flat[offset : offset + local.numel()].view_as(local)
+                shard = local(p)
+                average = sent.flat[offset : offset + shard.numel()].view_as(shard)
                 p.grad = (DTensor.from_local(average, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                           if isinstance(p, DTensor) else average)  # a TP shard's gradient is a DTensor like it
-                offset += local.numel()
+                offset += shard.numel()
         group.reducing.clear()
 
 
@@ -366,7 +366,7 @@ def _replicate(entry: str, model: nn.Module, state: DDPState, mesh: DeviceMesh) 
     buckets: list[list[nn.Parameter]] = []
     size = 0
     for p in reversed(params):  # backward produces gradients roughly in reverse model order
-        nbytes = _local(p).numel() * p.element_size()
+        nbytes = local(p).numel() * p.element_size()
         if not buckets or size + nbytes > BUCKET_BYTES or buckets[-1][0].dtype != p.dtype:
             buckets.append([])
             size = 0
@@ -375,7 +375,7 @@ def _replicate(entry: str, model: nn.Module, state: DDPState, mesh: DeviceMesh) 
     bucket_of = {p: i for i, bucket in enumerate(buckets) for p in bucket}
     state.replicated = Replicated(params, buckets, bucket_of, [set() for _ in buckets])
     for p in params:
-        p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_replicated_grad))
+        p.register_post_accumulate_grad_hook(outside_dynamo(state.on_replicated_grad))
     model.no_sync = functools.partial(no_sync, model)
     return model
 

@@ -1,48 +1,30 @@
-"""dedicate_params: owners, residency (broadcast / release) and gradients (reduce / no_sync).
+"""dedicate_params: the FSDP2 backend's set-up, the model's dmuon state, no_sync and ownership.
 
-Everything dmuon keeps about a model lives in one :class:`DMuonState`, at
-``model._dmuon``, and what it knows of each matrix in that matrix's record (record.py),
-which the parameter points to. Hooks, all registered by :func:`dedicate_params`:
+``dedicate_params`` checks the selection, agrees on it with every rank, plans the owners,
+makes each matrix's record (record.py), builds the *units* (the dedicated matrices one
+layer uses, packed per owner and dtype: one broadcast each; a matrix reached from several
+modules, tied weights, joins the unit of each) and registers the hooks. Everything dmuon
+keeps about a model lives in one :class:`DMuonState`, at ``model._dmuon``: its placement
+facts and dtypes, and one object per job, each in a file of its own:
 
-- on each *unit* (the module of a layer, its hook boundary: boundary.py), a forward
-  pre-hook and a forward hook. They raise the unit's events, and :meth:`DMuonState.run`
-  carries out what the schedule (schedule.py) lists for each: issue a unit's broadcasts
-  (one per owner and dtype, packed), land them, release them, and watch for the unit's
-  backward (a hook on its outputs, which autograd runs before the unit's own backward)
-  and for its end (a multi-grad hook on its inputs). In Z3 a unit is broadcast again when
-  the backward reaches it; each broadcast is issued ``prefetch_depth`` units ahead;
-- on each trainable dedicated parameter, a post-accumulate-grad hook: inside no_sync it
-  moves ``p.grad`` into its record's ``accumulated_grad``; outside, it adds that
-  and puts the gradient in its *bucket* (the matrices of one unit with one owner and
-  dtype). A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one
-  packed buffer; a callback at the end of the backward reduces partial buckets (matrices
-  that got no gradient), waits for every reduce and adds the results into the owners'
-  records' ``reduced_grad``. Either way ``p.grad`` is left None.
+- ``state.residency`` (residency.py): the hooks on each unit raise its events and it
+  carries out the schedule (schedule.py): broadcast, land, release (Z3, Z2, prefetch);
+- ``state.gradients`` (gradients.py): each matrix's post-accumulate-grad hook keeps the
+  gradient under no_sync, or reduces its bucket to the owner;
+- ``state.publisher`` (publish.py): after the step, HSDP's publish across replicas.
 
-Residency has one record: ``Unit.resident``, set when the unit's broadcasts are issued and
-cleared when it is released. A non-owner holds a matrix exactly while some resident unit
-uses it (:meth:`DMuonState.release` drops it when the last one goes). In Z3 a unit is
-released after its forward, and after its backward: when autograd has computed the
-gradients of the unit's inputs, or at the end of the backward for a unit whose inputs need
-none (the first layer's). So a frozen matrix (``requires_grad=False``), which gets no gradient hook, is
-freed like any other.
+The DDP backend (ddp.py) is the same state with its own residency (every rank holds every
+matrix) and publisher (each owner broadcasts to every rank).
 
-Every collective is asynchronous (``async_op=True``) and waited just before its result
-is used, so it travels while the previous layer computes: on CUDA, NCCL runs it on its
-own stream and ``work.wait()`` makes the compute stream wait for it; on CPU gloo runs it
-on its worker threads. Every rank issues the same collectives in the same order (the
-units' and buckets' order is the model's; order.py checks it).
-
-A non-owner's parameter is a guarded placeholder between uses (placeholder.py). A
-matrix reached from several modules (tied weights) belongs to the unit of each of them;
-it stays resident while any of those units is.
+Every rank issues the same collectives in the same order (the units' and buckets' order
+is the model's; order.py checks it).
 
 Mixed precision: when the unit sits under a ``fully_shard(..., mp_policy=...)`` with a
 ``param_dtype`` (or the parameter's policy has one, policy.py), the broadcast carries the
 matrix in that dtype and every rank, owner included, computes with that copy; the owner
-keeps its float32 master (its record's ``master``) for the optimizer, gradients are reduced in
-the policy's ``reduce_dtype`` (or the parameter's ``grad_dtype``) and accumulated under
-no_sync in the master's dtype.
+keeps its float32 master (its record's ``master``) for the optimizer, gradients are reduced
+in the policy's ``reduce_dtype`` (or the parameter's ``grad_dtype``) and accumulated under
+no_sync in the master's dtype (:meth:`DMuonState.compute_dtype`, :meth:`DMuonState.wire_dtype`).
 """
 
 from __future__ import annotations
@@ -61,62 +43,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
 
 from dmuon_edu.arguments import require_called_as, require_module
 from dmuon_edu.distributed import release_gloo_workers_at_exit
 
-from . import fsdp_exclusion, placeholder, tp
-from .record import MatrixRecord, TPShard, attach, record_of
-from .schedule import Schedule
+from . import fsdp_exclusion, placeholder, residency, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
 from .names import fqn
 from .order import CollectiveOrder, group_timeout
 from .plan import plan_owners
+from .gradients import Bucket, Gradients
 from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
+from .publish import Publisher
+from .record import MatrixRecord, TPShard, attach, record_of
+from .residency import Residency, Unit
+from .schedule import Schedule
 
 __all__ = ["dedicate_params", "no_sync", "ownership", "held_bytes", "in_flight_bytes", "DMuonState", "state_of"]
-
-
-@dataclass(eq=False)
-class InFlight:
-    """One asynchronous collective: its work handle, its buffer, and the parameters packed in it."""
-
-    event: int  # its number in the CollectiveOrder
-    description: str
-    owner: int  # the source or destination in the collective's group
-    params: list[nn.Parameter]
-    flat: torch.Tensor
-    work: dist.Work
-    replica: int = 0  # a reduce's: the replica whose holder runs Muon on these matrices
-
-
-@dataclass(eq=False)
-class Bucket:
-    """The gradients one reduce carries: a unit's matrices of one (owner, replica, dtype), each matrix in the
-    first unit (in model order) that uses it, whose backward is the last to add to its gradient."""
-
-    unit: Unit
-    owner: int
-    replica: int
-    params: list[nn.Parameter]
-    ready: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)  # this backward's gradients so far
-
-
-@dataclass(eq=False)
-class Unit:
-    """The dedicated parameters one layer uses, packed per (owner, dtype): one broadcast each."""
-
-    path: str
-    index: int  # in model order: forward prefetches index + 1, backward index - 1
-    packs: list[tuple[int, list[nn.Parameter]]]
-    resident: bool = False  # the one record of residency: broadcast issued (maybe in flight), not released
-    in_flight: list[InFlight] = field(default_factory=list)
-    precision: tuple[torch.dtype | None, torch.dtype | None] | None = None  # (param_dtype, reduce_dtype), found lazily
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, params in self.packs for p in params]
 
 
 @dataclass
@@ -129,6 +72,8 @@ class DMuonState:
                                      "the layers and the model")
     holds_every_matrix: ClassVar[bool] = False
     others_collectives_in_forward: ClassVar[bool] = True
+    residency_type: ClassVar[type] = Residency
+    publisher_type: ClassVar[type] = Publisher
 
     model: nn.Module = field(repr=False)
     mesh: DeviceMesh
@@ -141,14 +86,6 @@ class DMuonState:
     replicate_order: CollectiveOrder | None = field(default=None, repr=False)  # collectives along it
     units: list[Unit] = field(default_factory=list)
     units_of: dict[nn.Parameter, list[Unit]] = field(default_factory=lambda: defaultdict(list))
-    bucket_of: dict[nn.Parameter, Bucket] = field(default_factory=dict)
-    buckets: list[Bucket] = field(default_factory=list)
-    reducing: list[InFlight] = field(default_factory=list)  # this backward's reduces, waited at its end
-    publishing: list[InFlight] = field(default_factory=list)  # HSDP: the step's results, on their way
-    end_of_backward_queued: bool = False
-    # Whether a clip touched this window's gradients, for dmuon.Muon.step's check that a clip saw them all:
-    symmetric_sample: torch.Tensor | None = None  # entries of the FSDP2 gradients as the last backward left them
-    clipped: bool = False  # dmuon.clip_grad_norm_ scaled the gradients since the last backward
     schedule: Schedule | None = None  # what the hooks do at each event (schedule.py); set once the units are known
     in_no_sync: bool = False
     # Forwards of the first unit since the last optimizer step: the micro-batch of the window, which the
@@ -169,6 +106,10 @@ class DMuonState:
         self.replicas = self.replicate_mesh.size() if replicated else 1
         self.replicate_group = self.replicate_mesh.get_group() if replicated else None
         self.everyone = dist.group.WORLD if replicated else self.group  # a collective over every rank
+        # Its jobs, each a class of its own: residency (the schedule's executor), gradients, publishing
+        self.residency = self.residency_type(self)
+        self.gradients = Gradients(self)
+        self.publisher = self.publisher_type(self)
 
     @property
     def orders(self) -> list[CollectiveOrder]:
@@ -210,79 +151,7 @@ class DMuonState:
         record = record_of(p)
         return record.shape if record.tp is None else record.tp.full_shape
 
-    # -- residency: Unit.resident is the one record (module docstring) ---------------
-    def run(self, event: str, unit: Unit | None = None, watched=()) -> None:
-        """Carry out the schedule's actions at ``event`` of ``unit`` (schedule.py) in order; a watch action hooks
-        the tensors in ``watched`` (the unit's inputs, or its outputs)."""
-        for action in self.schedule.actions(event, None if unit is None else unit.index):
-            target = None if action.unit is None else self.units[action.unit]
-            if action.verb == "release_all":
-                self.release_all()
-            elif action.verb in _WATCHERS:
-                _WATCHERS[action.verb](self, target, watched)
-            else:
-                getattr(self, _RESIDENCY_METHODS[action.verb])(target)
-
-    def make_resident(self, unit: Unit) -> None:
-        """The unit's dedicated parameters hold their values on every rank (issued now if not yet)."""
-        self.issue_broadcasts(unit)
-        self.land(unit)
-
-    def issue_broadcasts(self, unit: Unit) -> None:
-        """Each owner starts sending the unit's matrices it owns, packed in one buffer per (owner, dtype)."""
-        if unit.resident:
-            return
-        self.wait_published()
-        flats, descriptions = [], []
-        for owner, params in unit.packs:
-            dtype = self.compute_dtype(unit, params[0])
-            if owner == self.rank:
-                flat = torch.cat([record_of(p).master.detach().reshape(-1).to(dtype) for p in params])
-            else:
-                flat = torch.empty(_numel(params), dtype=dtype, device=self.mesh_device)
-            flats.append(flat)
-            descriptions.append(f"the broadcast of {unit.path or 'the model'}'s matrices from rank {owner} "
-                                f"({flat.numel()} values of {dtype})")
-        events = self.order.check_all(descriptions)
-        for (owner, params), flat, event, description in zip(unit.packs, flats, events, descriptions):
-            work = dist.broadcast(flat, group=self.group, group_src=owner, async_op=True)
-            unit.in_flight.append(InFlight(event, description, owner, params, flat, work))
-        unit.resident = True
-
-    def land(self, unit: Unit) -> None:
-        """Wait for the unit's broadcasts in flight and point its parameters at the received values."""
-        for sent in unit.in_flight:
-            with self.order.waiting(sent.event, sent.description):
-                sent.work.wait()
-            for p, values in zip(sent.params, _unpacked(sent)):
-                if sent.owner == self.rank:
-                    if values.dtype != record_of(p).dtype:  # compute with the policy's copy; the master waits
-                        _set_data(p, values)
-                else:
-                    placeholder.hold(p, values)
-        unit.in_flight.clear()
-
-    def release(self, unit: Unit) -> None:
-        """The unit is done with its parameters: non-owners drop copies no resident unit uses."""
-        if not unit.resident:
-            return
-        self.land(unit)  # a prefetched broadcast still owns its buffer until it completes
-        unit.resident = False
-        for p in unit.params:
-            if not any(u.resident for u in self.units_of[p]):
-                self._drop(p)
-
-    def release_all(self) -> None:
-        """Every non-owner copy is dropped and every owner computes from its master again."""
-        for unit in self.units:
-            self.release(unit)
-
-    def _drop(self, p: nn.Parameter) -> None:
-        if self.owns(p):
-            _set_data(p, record_of(p).master)
-        elif placeholder.is_resident(p):
-            placeholder.release(p)
-
+    # -- dtypes ---------------------------------------------------------------------
     def compute_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
         """The dtype ``p`` is broadcast and computed in: its policy's param_dtype, else fully_shard's, else its own."""
         record = record_of(p)
@@ -334,186 +203,6 @@ class DMuonState:
                     )
             unit.precision = (param_dtype, reduce_dtype)
         return unit.precision
-
-    # -- gradients -----------------------------------------------------------------
-    def on_grad(self, p: nn.Parameter) -> None:
-        """Called once p.grad holds this backward's whole gradient."""
-        record = record_of(p)
-        g, p.grad = _local(p.grad), None
-        g = g.to(record.dtype)  # accumulate and keep in the master's precision
-        self.queue_end_of_backward()
-        if self.in_no_sync:
-            record.accumulated_grad = g if record.accumulated_grad is None else record.accumulated_grad.add_(g)
-            return
-        if record.accumulated_grad is not None:
-            g, record.accumulated_grad = record.accumulated_grad.add_(g), None
-        bucket = self.bucket_of[p]
-        bucket.ready[p] = g
-        if len(bucket.ready) == len(bucket.params):
-            self.issue_reduce(bucket)
-
-    def queue_end_of_backward(self) -> None:
-        """Have :meth:`finish_backward` run when the backward running now ends (once)."""
-        if not self.end_of_backward_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self.finish_backward))
-            self.end_of_backward_queued = True
-
-    def issue_reduce(self, bucket: Bucket) -> None:
-        """Start reducing (AVG) the bucket's gradients to their owner, in one packed buffer."""
-        params = [p for p in bucket.params if p in bucket.ready]  # all of them, unless the backward ended first
-        wire_dtype = self.wire_dtype(bucket.unit, params[0])
-        flat = torch.cat([bucket.ready[p].to(wire_dtype).reshape(-1) for p in params])
-        bucket.ready.clear()
-        description = (f"the reduce of {bucket.unit.path or 'the model'}'s gradients to rank {bucket.owner} "
-                       f"({len(params)} matrices, {flat.numel()} values of {wire_dtype})")
-        event = self.order.check(description)
-        work = dist.reduce(flat, group=self.group, group_dst=bucket.owner, op=dist.ReduceOp.AVG, async_op=True)
-        self.reducing.append(InFlight(event, description, bucket.owner, params, flat, work, bucket.replica))
-
-    def finish_backward(self) -> None:
-        """At the end of a backward: reduce what a partial bucket holds, wait for every reduce, and add
-        the results into the owners' records' ``reduced_grad``; in Z3, release the units still resident (those whose
-        inputs needed no gradient, and prefetched ones whose backward did not come)."""
-        self.end_of_backward_queued = False
-        self.run("end_of_backward")
-        for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
-            if bucket.ready:
-                self.issue_reduce(bucket)
-        held = []  # HSDP: the reduces this rank holds, whose replica averages go on to the replica that steps them
-        for sent in self.reducing:
-            with self.order.waiting(sent.event, sent.description):
-                sent.work.wait()
-            if sent.owner != self.rank:
-                continue
-            if self.replicas == 1:
-                self._add_reduced(sent)
-            else:
-                held.append(sent)
-        across = []
-        if held:  # checked as one batch: they are issued together
-            descriptions = [f"the reduce of {len(sent.params)} matrices' replica gradients to replica {sent.replica} "
-                            f"({sent.flat.numel()} values)" for sent in held]
-            events = self.replicate_order.check_all(descriptions)
-            for sent, event, description in zip(held, events, descriptions):
-                work = dist.reduce(sent.flat, group=self.replicate_group, group_dst=sent.replica,
-                                   op=dist.ReduceOp.AVG, async_op=True)
-                across.append(InFlight(event, description, sent.replica, sent.params, sent.flat, work, sent.replica))
-        for sent in across:
-            with self.replicate_order.waiting(sent.event, sent.description):
-                sent.work.wait()
-            if sent.replica == self.replica:
-                self._add_reduced(sent)
-        self.reducing.clear()
-        if not self.in_no_sync:
-            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
-            torch.autograd.Variable._execution_engine.queue_callback(_outside_dynamo(self._sample_after_backward))
-
-    def _sample_after_backward(self) -> None:
-        self.symmetric_sample, self.clipped = self.sample_symmetric_gradients(), False
-
-    @torch.no_grad()
-    def sample_symmetric_gradients(self) -> torch.Tensor | None:
-        """The first and last entry of each gradient shard of the symmetric (FSDP2) parameters on this rank.
-
-        A scaling of those gradients (torch.nn.utils.clip_grad_norm_, which sees only
-        them) changes every nonzero entry; a pass over two entries per tensor sees it.
-        (Version counters do not: DTensor's in-place foreach ops leave them alone.)
-        """
-        entries = [g.reshape(-1)[:: max(1, g.numel() - 1)].float()
-                   for g in (_local(p.grad) for p in self.model.parameters()
-                             if p.grad is not None and p not in self.name_of)
-                   if g.numel() > 0]
-        return torch.cat(entries) if entries else None
-
-    @staticmethod
-    def _add_reduced(sent: InFlight) -> None:
-        for p, g in zip(sent.params, _unpacked(sent)):
-            record = record_of(p)
-            g = g.to(record.dtype)
-            record.reduced_grad = g if record.reduced_grad is None else record.reduced_grad.add_(g)
-
-    # -- publishing (HSDP) --------------------------------------------------------------
-    def publish(self) -> None:
-        """After the step: each owner starts sending its updated matrices to their holders in the other
-        replicas, one packed buffer per (owner's replica, dtype). Nothing to do with one replica."""
-        if self.replicas == 1:
-            return
-        packs: dict[tuple[int, str], list[nn.Parameter]] = {}
-        for p in self.params.values():
-            if self.owns(p) and p.requires_grad:  # a frozen matrix never changes
-                packs.setdefault((record_of(p).replica, str(record_of(p).dtype)), []).append(p)
-        self.publishing += start_packed_broadcasts(packs, self.replica, self.replicate_group, self.mesh_device,
-                                                   self.replicate_order,
-                                                   "the publish of {n} matrices from replica {source}",
-                                                   self.wait_published)
-
-    def wait_published(self) -> None:
-        """Wait for the step's published matrices and copy them into this replica's holders' masters."""
-        finish_packed_broadcasts(self.publishing, self.replica, self.replicate_order)
-
-def start_packed_broadcasts(packs: dict[tuple[int, str], list[nn.Parameter]], me: int, group: dist.ProcessGroup,
-                            device: torch.device, order: CollectiveOrder, what: str,
-                            land: Callable[[], None]) -> list[InFlight]:
-    """Start one asynchronous broadcast per (source, dtype) pack of matrices' masters, from the source's rank
-    in ``group``; ``what`` names it for the order check ("{n}" matrices, "{source}"). Until ``land()`` (which
-    calls :func:`finish_packed_broadcasts`) a receiver's matrices hold the previous values, so their first
-    read calls it (placeholder.publishing)."""
-    packed = []
-    for (source, _), params in sorted(packs.items()):
-        if source == me:
-            flat = torch.cat([record_of(p).master.reshape(-1) for p in params])
-        else:
-            flat = torch.empty(_numel(params), dtype=record_of(params[0]).dtype, device=device)
-        packed.append((source, params, flat, f"{what.format(n=len(params), source=source)} ({flat.numel()} values)"))
-    events = order.check_all([description for *_, description in packed])
-    started = [InFlight(event, description, source, params, flat,
-                        dist.broadcast(flat, group=group, group_src=source, async_op=True))
-               for (source, params, flat, description), event in zip(packed, events)]
-    # Marked once every broadcast has started, so that each marked matrix is one that land() brings
-    for sent in started:
-        if sent.owner != me:
-            for p in sent.params:
-                placeholder.publishing(p, land)
-    return started
-
-
-def finish_packed_broadcasts(started: list[InFlight], me: int, order: CollectiveOrder) -> None:
-    """Wait for the broadcasts of :func:`start_packed_broadcasts` and copy each into the receivers' masters."""
-    for sent in started:
-        with order.waiting(sent.event, sent.description):
-            sent.work.wait()
-        if sent.owner == me:
-            continue
-        for p, values in zip(sent.params, _unpacked(sent)):
-            record_of(p).master.copy_(values)
-            placeholder.landed(p)
-    started.clear()
-
-
-def _numel(params: list[nn.Parameter]) -> int:
-    """The values of a packed buffer of these matrices (this rank's shards, under tensor parallelism)."""
-    return sum(record_of(p).shape.numel() for p in params)
-
-
-def _unpacked(sent: InFlight) -> Iterator[torch.Tensor]:
-    """Views of a packed buffer, one per matrix, in its order and of its shape."""
-    offset = 0
-    for p in sent.params:
-        shape = record_of(p).shape
-        yield sent.flat[offset : offset + shape.numel()].view(shape)
-        offset += shape.numel()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _set_data(p: torch.Tensor, values: torch.Tensor) -> None:
-    if isinstance(p, DTensor):  # a TP shard: DTensor reads its local tensor at each op
-        p._local_tensor = values
-        return
-    with torch._C.DisableTorchFunctionSubclass():
-        p.data = values
 
 
 def state_of(model: nn.Module) -> DMuonState:
@@ -659,100 +348,22 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     who holds a matrix between uses (DMuonState: its owner only); ``tp_mesh`` is the TP axis of TP-sharded
     matrices (tp.py), None without."""
     entry = state_type.entry
-    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise RuntimeError(f"the model is already sharded by fully_shard: {state_type.order_of_calls}")
     if getattr(model, "_dmuon", None) is not None:
         raise RuntimeError(f"{entry} (or another dmuon entry point) was already called on this model; call it once")
     _require_predicate(predicate)
     check_hook_boundary_arguments(hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
-
-    selected = {name: p for name, p in model.named_parameters() if predicate(name, p)}
-    if not selected:
-        raise ValueError(
-            "the predicate selected no parameter: it is called as predicate(name, param) for each of "
-            "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
-        )
-    policies = resolve_param_policies(selected, compute_dtype, param_policy, param_policy_fn)
-    if state_type.holds_every_matrix:
-        sharded = next((name for name, policy in policies.items() if policy.route == "sharded_adamw"), None)
-        if sharded is not None:
-            raise ValueError(
-                f"param_policy routes {sharded} to 'sharded_adamw', AdamW on fully_shard's shards, but {entry} "
-                "shards nothing: route it to 'adamw' (its owner steps it with AdamW), or leave it out of the "
-                "predicate (dmuon.replicate then all-reduces its gradient and every rank steps it with AdamW)"
-            )
-    # "sharded_adamw" is AdamW on shards: what fully_shard does with a parameter dmuon leaves alone.
-    params = {fqn(name): p for name, p in selected.items() if policies[name].route != "sharded_adamw"}
-    if not params:
-        raise ValueError(
-            "param_policy routes every selected parameter to 'sharded_adamw', which leaves it to fully_shard: "
-            "route the matrices for Muon to 'muon' (the default)"
-        )
-    routes = {fqn(name): policy.optimizer for name, policy in policies.items()}
-    for name, p in params.items():
-        if isinstance(p, DTensor) and tp_mesh is None and p.device_mesh.size() == 1:
-            raise ValueError(
-                f"{name} is a DTensor on a tensor-parallel mesh of 1 rank ({p.device_mesh.mesh_dim_names}), which "
-                f"shards nothing, and {entry} takes plain matrices then: skip parallelize_module when the TP degree "
-                "is 1 (and pass the whole data-parallel mesh), or use a TP degree of 2 or more"
-            )
-        if isinstance(p, DTensor) and tp_mesh is None:
-            raise ValueError(
-                f"{name} is a DTensor (tensor parallel), which {entry} does not take: tensor parallelism goes with "
-                "dmuon.dedicate_params(model, mesh['dp'], ...) on a (dp, tp) mesh with mesh_dim_names, then "
-                "fully_shard(..., mesh=mesh['dp']); or, for the DDP backend, dmuon.dedicate_params_ddp_tp(model, "
-                "mesh['dp'], ...), then dmuon.replicate_tp(model, mesh['dp'])"
-            )
-        if tp.shard_dim(p, tp_mesh) is not None and routes[name] != "muon":
-            # The DDP backend refuses 'sharded_adamw' (above), so it must not be the way out there.
-            raise ValueError(
-                f"param_policy routes the tensor-parallel matrix {name} to AdamW on its owner, which dmuon_edu does "
-                "not do for TP shards: " + (
-                    "route it to 'muon', or leave it out of the predicate (dmuon.replicate_tp then averages its "
-                    "shards' gradients and every rank steps them with AdamW)" if state_type.holds_every_matrix else
-                    "route it to 'sharded_adamw' (fully_shard then shards it with its TP layout) or to 'muon'")
-            )
-        if p.ndim != 2:
-            raise ValueError(
-                f"the predicate selected {name} of shape {tuple(p.shape)}: only 2-D matrices can be dedicated "
-                "(Muon orthogonalises matrices); add `and p.ndim == 2` to the predicate, or route it to "
-                "'sharded_adamw' with param_policy (fully_shard then shards it and AdamW steps the shards)"
-            )
-        if p.device.type != mesh.device_type:
-            raise ValueError(
-                f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
-                f"device first (e.g. model.to('{mesh.device_type}')), then call {entry}"
-            )
-        # A dedicated matrix travels as one block of memory of its own, and its non-owners free that memory.
-        local = _local(p)
-        if not local.is_contiguous():
-            raise ValueError(f"{name} is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
-                             "travels as one block of memory of its own: replace it with "
-                             f"nn.Parameter(weight.detach().contiguous()) before {entry}")
-        if local.storage_offset() != 0 or local.untyped_storage().nbytes() != local.numel() * local.element_size():
-            raise ValueError(f"{name} shares its storage with another tensor (it is a view into a larger one); "
-                             "dedicated parameters need their own: replace it with "
-                             f"nn.Parameter(weight.detach().clone()) before {entry}")
-
+    params, policy_of = _select(state_type, model, mesh, predicate, compute_dtype, param_policy, param_policy_fn,
+                                tp_mesh)
     dedicated = {id(p) for p in params.values()}
     aliases = [(alias, p) for alias, p in model.named_parameters(remove_duplicate=False) if id(p) in dedicated]
     boundaries = hook_boundaries(model, aliases, hook_boundary_predicate, hook_boundary_strict, hook_boundary_resolver)
-    policy_of = {fqn(name): policy for name, policy in policies.items()}
     # With TP the grid is (TP index, DP index): each TP column is a data-parallel world of its own.
     key, rank_at = _agree_on_every_rank(entry, params, policy_of, mesh, replicate_mesh or tp_mesh)
+    replicas = replicate_mesh.size() if replicate_mesh is not None else 1
+    plan, owners, tp_sharded, tp_owner = _plan(params, mesh.size(), replicas, rank_at, tp_mesh)
     shards = mesh.size()
-    plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
-    # Owner g of the plan: replica g // shards, shard index g % shards.
-    owners = {name: rank_at[divmod(g, shards)] for name, g in plan.items()}
-    tp_sharded = {name: tp.shard_dim(p, tp_mesh) for name, p in params.items() if tp.shard_dim(p, tp_mesh) is not None}
-    tp_owner: dict[str, int] = {}
-    if tp_mesh is not None:
-        column = tp_mesh.get_local_rank()
-        for d in range(shards):  # per DP owner, its TP group shares the Newton-Schulz work on full matrices
-            tp_owner.update(plan_owners({n: tuple(params[n].shape) for n in tp_sharded if plan[n] == d},
-                                        tp_mesh.size()))
-        owners = {name: rank_at[(tp_owner.get(name, column), g)] for name, g in plan.items()}
     # Every replica runs the same events on its shard axis: one key for all ranks. The replicate axis has a key
     # per shard index, shared by that column's ranks.
     # A rank that may wait in another's collective after a layer's forward must report it got there (order.py).
@@ -765,7 +376,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     records = {}
     for name, p in params.items():
         # a DTensor's local tensor (its shard), outside autograd: the master is written in place
-        local = _local(p).detach() if isinstance(p, DTensor) else p.data
+        local = residency.local(p).detach() if isinstance(p, DTensor) else p.data
         records[name] = MatrixRecord(name, holder=plan[name] % shards, replica=plan[name] // shards,
                                      owner_rank=owners[name], shape=local.shape, dtype=p.dtype,
                                      policy=policy_of[name], master=local, own_class=type(p))
@@ -793,7 +404,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
             record.master = None
             placeholder.make_placeholder(p)
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(_outside_dynamo(state.on_grad))
+            p.register_post_accumulate_grad_hook(residency.outside_dynamo(state.gradients.on_grad))
     for module in {model.get_submodule(alias.rpartition(".")[0]) for alias, p in aliases
                    if isinstance(p, DTensor) and not state.owns(p)}:
         placeholder.guard_state_dict(module)
@@ -801,6 +412,109 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     state.schedule = Schedule(len(state.units), reshard_after_forward)
     model._dmuon = state
     return dict(owners)
+
+
+
+
+def _select(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, predicate, compute_dtype,
+            param_policy, param_policy_fn, tp_mesh: DeviceMesh | None
+            ) -> tuple[dict[str, nn.Parameter], dict[str, DMuonParamPolicy]]:
+    """The matrices to dedicate, by name (without wrapper segments), and every selected parameter's policy;
+    raises ValueError, naming the fix, for a selection dmuon cannot take."""
+    entry = state_type.entry
+    selected = {name: p for name, p in model.named_parameters() if predicate(name, p)}
+    if not selected:
+        raise ValueError(
+            "the predicate selected no parameter: it is called as predicate(name, param) for each of "
+            "model.named_parameters(); e.g. lambda n, p: 'proj' in n and p.ndim == 2"
+        )
+    policies = resolve_param_policies(selected, compute_dtype, param_policy, param_policy_fn)
+    if state_type.holds_every_matrix:
+        sharded = next((name for name, policy in policies.items() if policy.route == "sharded_adamw"), None)
+        if sharded is not None:
+            raise ValueError(
+                f"param_policy routes {sharded} to 'sharded_adamw', AdamW on fully_shard's shards, but {entry} "
+                "shards nothing: route it to 'adamw' (its owner steps it with AdamW), or leave it out of the "
+                "predicate (dmuon.replicate then all-reduces its gradient and every rank steps it with AdamW)"
+            )
+    # "sharded_adamw" is AdamW on shards: what fully_shard does with a parameter dmuon leaves alone.
+    params = {fqn(name): p for name, p in selected.items() if policies[name].route != "sharded_adamw"}
+    if not params:
+        raise ValueError(
+            "param_policy routes every selected parameter to 'sharded_adamw', which leaves it to fully_shard: "
+            "route the matrices for Muon to 'muon' (the default)"
+        )
+    routes = {fqn(name): policy.optimizer for name, policy in policies.items()}
+    for name, p in params.items():
+        _require_dedicatable(state_type, name, p, routes[name], mesh, tp_mesh)
+    return params, {fqn(name): policy for name, policy in policies.items()}
+
+
+def _require_dedicatable(state_type: type[DMuonState], name: str, p: nn.Parameter, route: str, mesh: DeviceMesh,
+                         tp_mesh: DeviceMesh | None) -> None:
+    """Raise ValueError, naming the fix, unless ``p`` can be dedicated: a 2-D matrix on the mesh's device, in a
+    block of memory of its own, a DTensor only on the TP axis and then routed to Muon."""
+    entry = state_type.entry
+    if isinstance(p, DTensor) and tp_mesh is None and p.device_mesh.size() == 1:
+        raise ValueError(
+            f"{name} is a DTensor on a tensor-parallel mesh of 1 rank ({p.device_mesh.mesh_dim_names}), which "
+            f"shards nothing, and {entry} takes plain matrices then: skip parallelize_module when the TP degree "
+            "is 1 (and pass the whole data-parallel mesh), or use a TP degree of 2 or more"
+        )
+    if isinstance(p, DTensor) and tp_mesh is None:
+        raise ValueError(
+            f"{name} is a DTensor (tensor parallel), which {entry} does not take: tensor parallelism goes with "
+            "dmuon.dedicate_params(model, mesh['dp'], ...) on a (dp, tp) mesh with mesh_dim_names, then "
+            "fully_shard(..., mesh=mesh['dp']); or, for the DDP backend, dmuon.dedicate_params_ddp_tp(model, "
+            "mesh['dp'], ...), then dmuon.replicate_tp(model, mesh['dp'])"
+        )
+    if tp.shard_dim(p, tp_mesh) is not None and route != "muon":
+        # The DDP backend refuses 'sharded_adamw' (above), so it must not be the way out there.
+        raise ValueError(
+            f"param_policy routes the tensor-parallel matrix {name} to AdamW on its owner, which dmuon_edu does "
+            "not do for TP shards: " + (
+                "route it to 'muon', or leave it out of the predicate (dmuon.replicate_tp then averages its "
+                "shards' gradients and every rank steps them with AdamW)" if state_type.holds_every_matrix else
+                "route it to 'sharded_adamw' (fully_shard then shards it with its TP layout) or to 'muon'")
+        )
+    if p.ndim != 2:
+        raise ValueError(
+            f"the predicate selected {name} of shape {tuple(p.shape)}: only 2-D matrices can be dedicated "
+            "(Muon orthogonalises matrices); add `and p.ndim == 2` to the predicate, or route it to "
+            "'sharded_adamw' with param_policy (fully_shard then shards it and AdamW steps the shards)"
+        )
+    if p.device.type != mesh.device_type:
+        raise ValueError(
+            f"{name} is on {p.device} but the mesh is on {mesh.device_type}: move the model to the mesh's "
+            f"device first (e.g. model.to('{mesh.device_type}')), then call {entry}"
+        )
+    # A dedicated matrix travels as one block of memory of its own, and its non-owners free that memory.
+    local = residency.local(p)
+    if not local.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (a transposed or expand()-ed view), and a dedicated matrix "
+                         "travels as one block of memory of its own: replace it with "
+                         f"nn.Parameter(weight.detach().contiguous()) before {entry}")
+    if local.storage_offset() != 0 or local.untyped_storage().nbytes() != local.numel() * local.element_size():
+        raise ValueError(f"{name} shares its storage with another tensor (it is a view into a larger one); "
+                         "dedicated parameters need their own: replace it with "
+                         f"nn.Parameter(weight.detach().clone()) before {entry}")
+
+
+def _plan(params: dict[str, nn.Parameter], shards: int, replicas: int, rank_at: dict[tuple[int, int], int],
+          tp_mesh: DeviceMesh | None) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
+    """(plan index of each matrix's owner, its global rank, the sharded dim of each TP-sharded matrix, the TP
+    index of each one's TP owner). Owner g of the plan: replica g // shards, shard index g % shards."""
+    plan = plan_owners({name: tuple(p.shape) for name, p in params.items()}, shards * replicas)
+    owners = {name: rank_at[divmod(g, shards)] for name, g in plan.items()}
+    tp_sharded = {name: tp.shard_dim(p, tp_mesh) for name, p in params.items() if tp.shard_dim(p, tp_mesh) is not None}
+    tp_owner: dict[str, int] = {}
+    if tp_mesh is not None:
+        column = tp_mesh.get_local_rank()
+        for d in range(shards):  # per DP owner, its TP group shares the Newton-Schulz work on full matrices
+            tp_owner.update(plan_owners({n: tuple(params[n].shape) for n in tp_sharded if plan[n] == d},
+                                        tp_mesh.size()))
+        owners = {name: rank_at[(tp_owner.get(name, column), g)] for name, g in plan.items()}
+    return plan, owners, tp_sharded, tp_owner
 
 
 def _require_predicate(predicate) -> None:
@@ -903,79 +617,24 @@ def _build_units(model: nn.Module, state: DMuonState, aliases: list[tuple[str, n
             for p in ps:
                 state.units_of[p].append(unit)
             # A tied matrix's gradient is complete after the backward of its first unit.
-            first_use = [p for p in ps if p not in state.bucket_of]
+            gradients = state.gradients
+            first_use = [p for p in ps if p not in gradients.bucket_of]
             for replica in sorted({record_of(p).replica for p in first_use}):
                 members = [p for p in first_use if record_of(p).replica == replica]
                 bucket = Bucket(unit, owner, replica, members)
-                state.buckets.append(bucket)
-                state.bucket_of.update((p, bucket) for p in members)
+                gradients.buckets.append(bucket)
+                gradients.bucket_of.update((p, bucket) for p in members)
         module = model.get_submodule(path)
+        outside_dynamo = residency.outside_dynamo
         module.register_forward_pre_hook(
-            _outside_dynamo(lambda _m, args, kwargs, unit=unit: _before_forward(state, unit, (args, kwargs))),
+            outside_dynamo(lambda _m, args, kwargs, unit=unit: residency.before_forward(state, unit, (args, kwargs))),
             with_kwargs=True)
-        module.register_forward_hook(_outside_dynamo(lambda _m, _args, output, unit=unit: _after_forward(state, unit, output)))
+        module.register_forward_hook(
+            outside_dynamo(lambda _m, _args, output, unit=unit: residency.after_forward(state, unit, output)))
         # A safety net, for code that calls a layer's parts without calling the layer:
         # the module holding the parameter makes the unit resident too (a no-op if it is).
         for own in {alias.rpartition(".")[0] for alias, _ in used} - {path}:
-            model.get_submodule(own).register_forward_pre_hook(_resident_before(state, unit))
-
-
-def _resident_before(state: DMuonState, unit: Unit):
-    """A forward pre-hook that makes ``unit`` resident unless it is. Inside a compiled block Dynamo traces the test
-    (and guards on it) instead of breaking the graph: the unit's own hook, which runs outside, made it resident."""
-    make_resident = _outside_dynamo(state.make_resident)
-
-    def hook(_module, _args):
-        if not unit.resident:
-            make_resident(unit)
-    return hook
-
-
-def _outside_dynamo(hook):
-    """A hook torch.compile runs eagerly, between graphs: collectives and data swaps are not traced."""
-    return torch.compiler.disable(hook, recursive=True)
-
-
-def _before_forward(state: DMuonState, unit: Unit, inputs) -> None:
-    recomputing = torch._C._current_graph_task_id() != -1  # inside a backward: activation checkpointing's rerun
-    if unit.index == 0 and not recomputing:  # a new forward
-        state.microbatch += 1
-    state.order.note(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
-                     f"{'inside' if state.in_no_sync else 'outside'} no_sync")
-    state.run("recompute" if recomputing else "forward", unit, inputs)
-
-
-def _after_forward(state: DMuonState, unit: Unit, output) -> None:
-    if torch._C._current_graph_task_id() == -1:  # a rerun's end changes nothing: the unit's backward comes next
-        state.run("forward_end", unit, output)
-
-
-def _watch_backward(state: DMuonState, unit: Unit, outputs) -> None:
-    """Run the unit's "backward" event when autograd reaches it: a hook on an output's gradient runs before the
-    backward of the operation that made the output, i.e. before the unit's backward."""
-    if not torch.is_grad_enabled():
-        return
-
-    def before_backward(grad):
-        state.queue_end_of_backward()
-        state.run("backward", unit)
-
-    for t in tree_leaves(outputs):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(before_backward)
-
-
-def _watch_backward_end(state: DMuonState, unit: Unit, inputs) -> None:
-    """Run the unit's "backward_end" event once autograd has the gradients of all its inputs that need one, as
-    FSDP2 does. A unit whose inputs need none (the first layer's) ends with the backward ("end_of_backward")."""
-    needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if needing and torch.is_grad_enabled():
-        torch.autograd.graph.register_multi_grad_hook(
-            needing, _outside_dynamo(lambda _grads: state.run("backward_end", unit)))
-
-
-_WATCHERS = {"watch_backward": _watch_backward, "watch_backward_end": _watch_backward_end}
-_RESIDENCY_METHODS = {"issue": "issue_broadcasts", "land": "land", "release": "release"}
+            model.get_submodule(own).register_forward_pre_hook(residency.resident_before(state.residency, unit))
 
 
 @contextlib.contextmanager
@@ -1025,7 +684,7 @@ def held_bytes(model: nn.Module) -> int:
     storages: dict[int, int] = {}
     with torch._C.DisableTorchFunctionSubclass():
         for p in state.params.values():
-            for t in (_local(p), record_of(p).master) if state.owns(p) else (_local(p),):
+            for t in (residency.local(p), record_of(p).master) if state.owns(p) else (residency.local(p),):
                 storage = t.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

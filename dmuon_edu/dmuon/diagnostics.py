@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dedicate import DMuonState, Unit, state_of
+from .dedicate import DMuonState, state_of
+from .residency import Unit
 from .optim import require_built_for
 from .record import record_of
 

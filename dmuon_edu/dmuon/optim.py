@@ -54,7 +54,6 @@ import warnings
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -69,6 +68,7 @@ from .dedicate import state_of
 from .ns_backend import NewtonSchulz, as_backend
 from .order import MODES
 from .record import record_of
+from .step_agreement import StepAgreement
 
 __all__ = ["Muon"]
 
@@ -186,39 +186,11 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(model, nn.Module):
             raise TypeError(f"dmuon.Muon takes the model (after dedicate_params and fully_shard), got {type(model).__name__}")
         self._dmuon = state_of(model)
-        depth = forward_prefetch_depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(
-                f"forward_prefetch_depth must be an int >= 0 (0: each layer's broadcast waits until its forward), "
-                f"got {forward_prefetch_depth!r}; 1 is the default"
-            )
-        if not isinstance(replicate_async, bool):
-            raise ValueError(f"replicate_async must be True or False, got {replicate_async!r}")
-        if order_check not in MODES:
-            raise ValueError(f"order_check must be one of {', '.join(map(repr, MODES))}, got {order_check!r}")
+        _check_step_options(forward_prefetch_depth, replicate_async, order_check)
         backend = as_backend(ns_backend)
         for unit in self._dmuon.units:  # a compute_dtype that disagrees with fully_shard's policy: refused now
             self._dmuon.precision(unit)
-        is_dedicated = {id(p) for p in self._dmuon.params.values()}
-        averaged = {id(p) for p in replicated_params(model)}  # the DDP backend's replicate
-        unsharded = [n for n, p in model.named_parameters() if id(p) not in is_dedicated | averaged
-                     and p.requires_grad and not isinstance(p, DTensor)]
-        # One rank needs no average, but the DDP backend's call order is refused anywhere (as the public one does).
-        if unsharded and (self._dmuon.world_size > 1 or self._dmuon.holds_every_matrix):
-            fix = (f"call dmuon.{'replicate_tp' if self._dmuon.tp_name else 'replicate'}(model, mesh) before "
-                   "building dmuon.Muon" if self._dmuon.holds_every_matrix else
-                   "fully_shard the layers and the model before building dmuon.Muon")
-            raise ValueError(
-                f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor "
-                f"{'replicated' if self._dmuon.holds_every_matrix else 'sharded by FSDP2'}, so nothing would average "
-                f"its gradient: {fix}"
-            )
-        if self._dmuon.holds_every_matrix and any(isinstance(m, FSDPModule) for m in model.modules()):
-            raise ValueError(
-                "the model was prepared by dmuon.dedicate_params_ddp and then sharded by fully_shard: the DDP backend "
-                "replaces fully_shard. Call dmuon.replicate(model, mesh) instead of fully_shard, or use "
-                "dmuon.dedicate_params with fully_shard"
-            )
+        _require_every_gradient_averaged(model, self._dmuon)
         muon_hyper = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                           adjust_lr_fn=adjust_lr_fn, ns_steps=ns_steps, ns_dtype=ns_dtype)
         adamw_hyper = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
@@ -228,36 +200,20 @@ class Muon(torch.optim.Optimizer):
         for group in groups:  # a user group's own values too; the inner Muon checks its own
             _check_group(group)
 
-        self._dmuon.schedule = dataclasses.replace(self._dmuon.schedule, prefetch_depth=depth)
+        self._dmuon.schedule = dataclasses.replace(self._dmuon.schedule, prefetch_depth=forward_prefetch_depth)
         self.replicate_async = replicate_async
         for order in self._dmuon.orders:
             order.mode = order_check
-        steps = self._dmuon.steps
-        muon_groups, adamw_groups = groups[0::2], groups[1::2]
-        stepped = self._dmuon.stepped  # a TP-sharded matrix's owner steps a full-shape proxy (tp.py)
-        self._muon = _OwnerMuon([{"params": [stepped(p) for p in g["params"] if steps(p)]} for g in muon_groups], backend,
-                                **muon_hyper)
-        self._adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) not in is_dedicated]}
-                                         for g in adamw_groups], **adamw_hyper)
-        self._owner_adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) in is_dedicated and steps(p)]}
-                                               for g in adamw_groups], **adamw_hyper)
+        self._muon, self._adamw, self._owner_adamw = _inner_optimizers(self._dmuon, groups, backend, muon_hyper,
+                                                                        adamw_hyper)
         self._inner = (self._muon, self._adamw, self._owner_adamw)
         # The record of each tensor this rank steps (a TP-sharded matrix's owner steps its proxy: tp.py)
-        self._record_stepped_as = {id(stepped(p)): record_of(p) for p in self._dmuon.params.values() if steps(p)}
+        state = self._dmuon
+        self._record_stepped_as = {id(state.stepped(p)): record_of(p) for p in state.params.values() if state.steps(p)}
         super().__init__(groups, defaults={})
         self.last_muon_grad_clip_stats: MuonGradClipStats | None = None
-
         self.skipped_steps = 0  # steps skipped for non-finite gradients
-        self._agreed = torch.zeros(6, dtype=torch.float64, device=self._dmuon.mesh_device)  # reused at every step
-        for p in self._owned_muon:
-            self._muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        for optimizer in (self._adamw, self._owner_adamw):
-            for p in (p for group in optimizer.param_groups for p in group["params"]):
-                optimizer.state[p].update(
-                    step=torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW makes it: on CPU
-                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
-                )
+        self._agreement = StepAgreement(self._dmuon)
 
     @property
     def muon_group(self) -> dict:
@@ -302,18 +258,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._dmuon.in_no_sync:
-            raise RuntimeError(
-                "optimizer.step() inside dmuon.no_sync(model): the gradients are not reduced yet. "
-                "Run the last micro-batch's forward and backward outside no_sync, then step"
-            )
-        pending = next((name for name, r in self._dmuon.records.items() if r.accumulated_grad is not None), None)
-        if pending is not None:
-            raise RuntimeError(
-                f"optimizer.step() after a window whose every backward ran inside dmuon.no_sync(model): {pending} "
-                "(and every other gradient) was accumulated but never reduced, and FSDP2 has not reduce-scattered "
-                "its own. Run the window's last forward and backward outside no_sync, then step"
-            )
+        self._dmuon.gradients.require_reduced()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -321,10 +266,10 @@ class Muon(torch.optim.Optimizer):
         self._push_hyperparameters()
         self._dmuon.microbatch = 0  # the next forward starts the next window
         # Owners step their masters; no copy a layer used is needed after the last backward.
-        self._dmuon.wait_published()
-        self._dmuon.run("step")
-        if not self._agree_before_step():
-            self._close_step_orders()
+        self._dmuon.publisher.wait()
+        self._dmuon.residency.run("step")
+        if not self._agreement.agree([p for group in self.param_groups[1::2] for p in group["params"]]):
+            self._agreement.close()
             self.skipped_steps += 1
             warnings.warn(
                 "dmuon.Muon skipped this optimizer step on every rank: a gradient holds NaN or Inf. Weights and "
@@ -344,10 +289,10 @@ class Muon(torch.optim.Optimizer):
             for p in owned:
                 p.grad = None
         tp.apply_updates(self._dmuon, self._lr_and_weight_decay)
-        self._dmuon.publish()
-        self._close_step_orders()
+        self._dmuon.publisher.publish()
+        self._agreement.close()
         if not self.replicate_async:
-            self._dmuon.wait_published()
+            self._dmuon.publisher.wait()
         self._adamw.step()
         return loss
 
@@ -355,62 +300,12 @@ class Muon(torch.optim.Optimizer):
         group = next(g for g in self.param_groups[0::2] if any(q is p for q in g["params"]))
         return group["lr"], group["weight_decay"]
 
-    def _close_step_orders(self) -> None:
-        """The step's events agreed on every rank (its all-reduce compared them): each order's list, up to and with the
-        step's own gathers, scatters and post-step broadcasts, is what the next step is compared with. The
-        replicate axis's events (HSDP) and the TP group's follow from the shard axis's: they are checked with them."""
-        for order in self._dmuon.orders:
-            order.step_checked()
-
-    def _agree_before_step(self) -> bool:
-        """One all-reduce (max) of [any gradient non-finite, FSDP2 gradients changed since the backward, events,
-        -events, CRC, -CRC]: skip on a non-finite gradient (False), refuse on diverged event orders, warn on a
-        clip that saw the FSDP2 gradients only. The same answers on every rank."""
-        state, agreed = self._dmuon, self._agreed
-        # The averaged dedicated gradients, on their owners (a TP-sharded matrix's shards, on its DP owners)
-        grads = [r.reduced_grad for r in state.records.values() if r.reduced_grad is not None]
-        grads += [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                  for group in self.param_groups[1::2] for p in group["params"]
-                  if p.grad is not None and p not in state.name_of]
-        # min and max are finite exactly when every entry is; one host sync in all.
-        extremes = [torch.stack(torch.aminmax(g)).float() for g in grads if g.numel() > 0]
-        agreed[0] = (~torch.cat(extremes).isfinite()).any() if extremes else False
-        before, now = state.symmetric_sample, state.sample_symmetric_gradients()
-        agreed[1] = (before is not None and now is not None and before.shape == now.shape
-                     and (before != now).any())
-        state.symmetric_sample = None  # the next backward takes its own
-        everyone = state.everyone
-        if dist.get_world_size(everyone) > 1:
-            event = state.order.check("the optimizer step's all-reduce of its finite-gradients flag")
-            events, crc = state.order.digest()
-            agreed[2:] = torch.tensor([events, -events, crc, -crc], dtype=torch.float64)
-            with state.order.waiting(event, "the optimizer step's all-reduce of its finite-gradients flag"):
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=everyone)
-            if state.order.mode != "off" and (agreed[2] != -agreed[3] or agreed[4] != -agreed[5]):
-                raise RuntimeError(
-                    (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
-                    + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
-                )
-        for order in state.orders:
-            order.meetings_passed()
-        if bool(agreed[1]) and not state.clipped and agreed[0] == 0:  # a skipped step needs no word on clipping
-            warnings.warn(
-                "the other parameters' gradients (in p.grad) were scaled after the backward, but not the dedicated "
-                "(Muon) ones: "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only the gradients in p.grad, and a "
-                "dedicated matrix's gradient lives on its owner (in its dmuon.record_of(p).reduced_grad), so it "
-                "measured and clipped part "
-                "of the gradient. Use dmuon.clip_grad_norm_(model, max_norm) for the global norm",
-                RuntimeWarning,
-            )
-        return agreed[0].item() == 0
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the dedicated matrices' gradients (their records' and ``p.grad``) and the FSDP2 gradients."""
         for p, record in zip(self._dmuon.params.values(), self._dmuon.records.values()):
             record.reduced_grad = record.accumulated_grad = None
             p.grad = None
-        for bucket in self._dmuon.buckets:  # what a backward that raised left unreduced
+        for bucket in self._dmuon.gradients.buckets:  # what a backward that raised left unreduced
             bucket.ready.clear()
         self._adamw.zero_grad(set_to_none=set_to_none)
 
@@ -423,6 +318,68 @@ class Muon(torch.optim.Optimizer):
         raise RuntimeError(
             "dmuon.Muon's state is spread over ranks: use dmuon.set_optimizer_state_dict(model, optimizer, state_dict)"
         )
+
+
+def _check_step_options(forward_prefetch_depth, replicate_async, order_check) -> None:
+    if isinstance(forward_prefetch_depth, bool) or not isinstance(forward_prefetch_depth, int) or \
+            forward_prefetch_depth < 0:
+        raise ValueError(
+            f"forward_prefetch_depth must be an int >= 0 (0: each layer's broadcast waits until its forward), "
+            f"got {forward_prefetch_depth!r}; 1 is the default"
+        )
+    if not isinstance(replicate_async, bool):
+        raise ValueError(f"replicate_async must be True or False, got {replicate_async!r}")
+    if order_check not in MODES:
+        raise ValueError(f"order_check must be one of {', '.join(map(repr, MODES))}, got {order_check!r}")
+
+
+def _require_every_gradient_averaged(model: nn.Module, state) -> None:
+    """Refuse a model whose trainable parameters are not each dedicated, sharded by FSDP2 or replicated by the DDP
+    backend (nothing would average their gradients), or a DDP-backend model that fully_shard also sharded."""
+    averaged = {id(p) for p in state.params.values()} | {id(p) for p in replicated_params(model)}
+    unsharded = [n for n, p in model.named_parameters() if id(p) not in averaged
+                 and p.requires_grad and not isinstance(p, DTensor)]
+    # One rank needs no average, but the DDP backend's call order is refused anywhere (as the public one does).
+    if unsharded and (state.world_size > 1 or state.holds_every_matrix):
+        fix = (f"call dmuon.{'replicate_tp' if state.tp_name else 'replicate'}(model, mesh) before "
+               "building dmuon.Muon" if state.holds_every_matrix else
+               "fully_shard the layers and the model before building dmuon.Muon")
+        raise ValueError(
+            f"{unsharded[0]} (and {len(unsharded) - 1} more) is neither dedicated nor "
+            f"{'replicated' if state.holds_every_matrix else 'sharded by FSDP2'}, so nothing would average "
+            f"its gradient: {fix}"
+        )
+    if state.holds_every_matrix and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(
+            "the model was prepared by dmuon.dedicate_params_ddp and then sharded by fully_shard: the DDP backend "
+            "replaces fully_shard. Call dmuon.replicate(model, mesh) instead of fully_shard, or use "
+            "dmuon.dedicate_params with fully_shard"
+        )
+
+
+def _inner_optimizers(state, groups: list[dict], backend: NewtonSchulz, muon_hyper: dict, adamw_hyper: dict):
+    """The three inner optimizers, one group per semantic group each, with their state made (as a first step would
+    make it, so that a state dict of a fresh optimizer is complete): Muon on the matrices this rank steps (a
+    TP-sharded matrix's owner steps its full-shape proxy: tp.py), AdamW on the other parameters, AdamW on the
+    matrices routed to it that this rank steps."""
+    dedicated = {id(p) for p in state.params.values()}
+    muon_groups, adamw_groups = groups[0::2], groups[1::2]
+    muon = _OwnerMuon([{"params": [state.stepped(p) for p in g["params"] if state.steps(p)]} for g in muon_groups],
+                      backend, **muon_hyper)
+    adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) not in dedicated]}
+                               for g in adamw_groups], **adamw_hyper)
+    owner_adamw = torch.optim.AdamW([{"params": [p for p in g["params"] if id(p) in dedicated and state.steps(p)]}
+                                     for g in adamw_groups], **adamw_hyper)
+    for p in (p for group in muon.param_groups for p in group["params"]):
+        muon.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    for optimizer in (adamw, owner_adamw):
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
+            optimizer.state[p].update(
+                step=torch.tensor(0.0, dtype=_get_scalar_dtype()),  # as AdamW makes it: on CPU
+                exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+            )
+    return muon, adamw, owner_adamw
 
 
 def _lower(model: nn.Module, state, param_groups, muon_hyper: dict, adamw_hyper: dict) -> list[dict]:

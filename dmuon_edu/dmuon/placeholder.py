@@ -179,7 +179,7 @@ def release(p: nn.Parameter) -> None:
 
 class _Publishing:
     """What :class:`PublishingParameter` and :class:`PublishingDTensor` add: a read of values first lands the
-    publish in flight (its record's ``land``, the state's wait_published, which calls :func:`landed`)."""
+    publish in flight (its record's ``land``, its publisher's wait, which calls :func:`landed`)."""
 
     __slots__ = ()  # no layout of its own: __class__ can switch between it and the plain class
 

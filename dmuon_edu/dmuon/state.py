@@ -155,7 +155,7 @@ def get_model_state_dict(model: nn.Module, options: StateDictOptions | None = No
     """
     state = state_of(model)
     options, rank0_only = _options(options, cpu_offload, rank0_only)
-    state.wait_published()
+    state.publisher.wait()
     result, fetched = {}, {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: no read of a placeholder
         if _is_dedicated(state, value):  # by identity: a tied matrix appears under each of its names
@@ -197,7 +197,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], options: 
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict {{name: tensor}}, as dmuon.get_model_state_dict returns, "
                         f"got {describe(state_dict)}")
-    state.wait_published()  # or a publish still on its way would overwrite the loaded values
+    state.publisher.wait()  # or a publish still on its way would overwrite the loaded values
     # the parameters themselves (keep_vars: no read of a placeholder)
     targets = {fqn(k): v for k, v in model.state_dict(keep_vars=True).items()}
     incoming = {fqn(k): v for k, v in state_dict.items()}
@@ -217,7 +217,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict[str, Any], options: 
                 _copy_into(record_of(target).master, tp.local_part(record_of(target), value))
         else:
             _copy_into(target, value)
-    state.release_all()  # non-owner copies may be stale now
+    state.residency.release_all()  # non-owner copies may be stale now
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .record import MatrixRecord, TPShard
+from .record import MatrixRecord
 
 __all__ = ["find_tp_mesh", "require_grid", "shard_dim", "gather_gradients", "apply_updates", "full_tensor", "local_part"]
 

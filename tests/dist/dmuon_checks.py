@@ -1170,7 +1170,7 @@ def check_hsdp_frozen(mesh):
     mine, _, total = window(0, dist.get_rank(), dist.get_world_size())
     with dmuon.count_comm() as counted:
         train_window(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule), mine, total, use_no_sync=True)
-        model._dmuon.wait_published()
+        model._dmuon.publisher.wait()
     totals = dmuon.summarize_comm_plan(model)["totals"]
     state = model._dmuon
     held_trainable = sum(state.records[n].master.numel() * state.records[n].master.element_size()
