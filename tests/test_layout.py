@@ -208,3 +208,39 @@ def test_no_module_of_the_package_imports_itself_through_others():
 def test_the_cycle_finder_finds_a_circle_and_only_one():
     assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _a_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# dmuon's internals read in an afternoon: no class over about 150 lines, no function over about 60, docstrings aside.
+MOST_LINES = {"class": 150, "function": 60}
+
+
+def _sizes(source: str) -> dict[str, tuple[str, int]]:
+    """{qualified name: ("class" or "function", its lines less every docstring inside it)} of a module's source."""
+    sizes = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = [d for d in ast.walk(child)
+                         if isinstance(d, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+                docstrings = [d.body[0] for d in inner if d.body and isinstance(d.body[0], ast.Expr)
+                              and isinstance(d.body[0].value, ast.Constant) and isinstance(d.body[0].value.value, str)]
+                lines = child.end_lineno - child.lineno + 1 - sum(d.end_lineno - d.lineno + 1 for d in docstrings)
+                sizes[prefix + child.name] = ("class" if isinstance(child, ast.ClassDef) else "function", lines)
+                visit(child, prefix + child.name + ".")
+    visit(ast.parse(source), "")
+    return sizes
+
+
+def test_no_class_or_function_of_dmuon_outgrows_a_reading():
+    too_long = [f"{path.name}: {kind} {name}, {lines} lines"
+                for path in sorted((PACKAGE / "dmuon").glob("*.py"))
+                for name, (kind, lines) in _sizes(path.read_text()).items() if lines > MOST_LINES[kind]]
+    assert too_long == [], "split these by job (one job per class or function): " + "; ".join(too_long)
+
+
+def test_the_size_count_leaves_docstrings_out_and_sees_methods():
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    source = f'class A:\n    """Doc\n\n    more."""\n\n    def long(self):\n        """Doc."""\n{body}\n'
+    sizes = _sizes(source.replace("\n    x", "\n        x"))
+    assert sizes["A.long"] == ("function", 62) and sizes["A"] == ("class", 64), sizes

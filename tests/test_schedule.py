@@ -14,6 +14,7 @@ to another event, a release or a watch dropped) fails one of them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -132,9 +133,13 @@ def test_the_schedule_keeps_its_promises_and_sends_what_the_cost_model_plans(zer
 
 
 def test_the_cost_model_counts_two_broadcasts_per_micro_batch_in_z3_and_one_per_step_in_z2():
-    # What the schedule's sends are compared with, written out: the cost model's passes over P_M per step.
+    # The cost model counts dmuon's broadcasts by walking the schedule (Schedule.broadcasts): written out, its
+    # passes over P_M per step, whatever the depth and the number of units.
     assert cost_model_passes(True, 4) == {"forward": 4 * UNITS, "backward": 4 * UNITS}
     assert cost_model_passes(False, 4) == {"forward": UNITS, "backward": 0}
+    for units, depth in itertools.product((1, 2, 5), (0, 1, 3)):
+        assert Schedule(units, True, depth).broadcasts(3) == {"forward": 3, "backward": 3}
+        assert Schedule(units, False, depth).broadcasts(3) == {"forward": 1, "backward": 0}
 
 
 def test_prefetch_issues_a_units_broadcast_while_the_one_before_it_runs():

@@ -385,26 +385,16 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                        replicate_order)
     if tp_mesh is not None:  # across the TP group of each DP index: its gathers and scatters
         state.everyone = dist.group.WORLD
-        tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
-                                   dist.get_process_group_ranks(tp_mesh.get_group()), tp_mesh.get_group())
+        state.tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
+                                         dist.get_process_group_ranks(tp_mesh.get_group()), tp_mesh.get_group())
         state.tp_index = tp_mesh.get_local_rank()
         state.tp_name = tp_mesh.mesh_dim_names[0]
-        state.tp_order = tp_order
     fsdp_exclusion.install()
     if dist.get_backend() == "gloo":
         release_gloo_workers_at_exit()
-    for name, p in params.items():
-        record = records[name]
-        if name in tp_sharded:
-            record.tp = TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
-                                tp_owner[name], p.shape, tp_order)
-            if state.receives_gradient(p) and record.tp.index == record.tp.owner:
-                record.tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=record.master.device)
-        if not state.owns(p):
-            record.master = None
-            placeholder.make_placeholder(p)
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(residency.outside_dynamo(state.gradients.on_grad))
+    tp_placement = {name: TPShard(tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size(), tp_sharded[name],
+                                  tp_owner[name], params[name].shape, state.tp_order) for name in tp_sharded}
+    _place_matrices(state, tp_placement)
     for module in {model.get_submodule(alias.rpartition(".")[0]) for alias, p in aliases
                    if isinstance(p, DTensor) and not state.owns(p)}:
         placeholder.guard_state_dict(module)
@@ -414,6 +404,21 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     return dict(owners)
 
 
+
+
+def _place_matrices(state: DMuonState, tp_placement: dict[str, TPShard]) -> None:
+    """Each matrix's TP placement (a full-shape proxy on the rank that steps it), a non-owner's placeholder instead
+    of its values, and the gradient hook of a trainable one."""
+    for name, p in state.params.items():
+        record = state.records[name]
+        record.tp = tp_placement.get(name)
+        if record.tp is not None and state.receives_gradient(p) and record.tp.index == record.tp.owner:
+            record.tp.proxy = torch.zeros(p.shape, dtype=p.dtype, device=record.master.device)
+        if not state.owns(p):
+            record.master = None
+            placeholder.make_placeholder(p)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(residency.outside_dynamo(state.gradients.on_grad))
 
 
 def _select(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, predicate, compute_dtype,

@@ -239,17 +239,6 @@ class Muon(torch.optim.Optimizer):
         p = self._dmuon.stepped(p) if p in self._dmuon.name_of else p
         return next(o for o in self._inner if any(q is p for group in o.param_groups for q in group["params"]))
 
-    def _push_hyperparameters(self) -> None:
-        for index, group in enumerate(self.param_groups):
-            try:  # again at every step: a scheduler or a hand edit may have changed them
-                _check_group(group)
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"param group {index} ({group['group_name']}): {error}") from None
-        for i, (muon_group, adamw_group) in enumerate(zip(self.param_groups[0::2], self.param_groups[1::2])):
-            self._muon.param_groups[i].update({k: muon_group[k] for k in MUON_KEYS})
-            for optimizer in (self._adamw, self._owner_adamw):
-                optimizer.param_groups[i].update({k: adamw_group[k] for k in ADAMW_KEYS})
-
     def clip_grad_norm_(self, max_norm: float | None, *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, strategy: str = "global_norm") -> MuonGradClipStats:
         """``dmuon.clip_grad_norm_(self, ...)``: the Muon gradients only (the public project's method)."""
@@ -263,7 +252,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._push_hyperparameters()
+        _push_hyperparameters(self.param_groups, self._muon, (self._adamw, self._owner_adamw))
         self._dmuon.microbatch = 0  # the next forward starts the next window
         # Owners step their masters; no copy a layer used is needed after the last backward.
         self._dmuon.publisher.wait()
@@ -318,6 +307,21 @@ class Muon(torch.optim.Optimizer):
         raise RuntimeError(
             "dmuon.Muon's state is spread over ranks: use dmuon.set_optimizer_state_dict(model, optimizer, state_dict)"
         )
+
+
+def _push_hyperparameters(groups: list[dict], muon: torch.optim.Optimizer,
+                          adamws: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Check the public groups again (a scheduler or a hand edit may have changed them) and hand their values to
+    the inner optimizers, whose i-th groups are the i-th semantic group's."""
+    for index, group in enumerate(groups):
+        try:
+            _check_group(group)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"param group {index} ({group['group_name']}): {error}") from None
+    for i, (muon_group, adamw_group) in enumerate(zip(groups[0::2], groups[1::2])):
+        muon.param_groups[i].update({k: muon_group[k] for k in MUON_KEYS})
+        for optimizer in adamws:
+            optimizer.param_groups[i].update({k: adamw_group[k] for k in ADAMW_KEYS})
 
 
 def _check_step_options(forward_prefetch_depth, replicate_async, order_check) -> None:
@@ -398,21 +402,7 @@ def _lower(model: nn.Module, state, param_groups, muon_hyper: dict, adamw_hyper:
     seen: dict[int, str] = {}
     lowered = []
     for index, user in enumerate(param_groups):
-        if not isinstance(user, dict) or "params" not in user:
-            raise TypeError(f"param_groups[{index}] must be a dict with 'params', got {user!r:.80}")
-        unknown = set(user) - {"params", *NAME_KEYS, *GROUP_KEYS, *ROUTE_KEYS}
-        if unknown:
-            raise ValueError(
-                f"param_groups[{index}] has unknown key(s) {sorted(unknown)}; a group takes params, group_name, "
-                f"{', '.join(GROUP_KEYS)} and dmuon_route (AdamW's betas are 'adamw_betas')"
-            )
-        group_name = str(next((user[k] for k in NAME_KEYS if k in user), f"group_{index}"))
-        route = next((str(user[k]).strip().lower() for k in ROUTE_KEYS if k in user), None)
-        if route not in (None, "muon", "adamw"):
-            raise ValueError(
-                f"param_groups[{index}] routes its dedicated matrices to {route!r}: a group chooses 'muon' or "
-                "'adamw'; 'sharded_adamw' is a dedicate_params param_policy route"
-            )
+        group_name, route = _name_and_route(index, user)
         params = [user["params"]] if isinstance(user["params"], torch.Tensor) else list(user["params"])
         muon_params, adamw_params = [], []
         for p in params:
@@ -450,6 +440,25 @@ def _lower(model: nn.Module, state, param_groups, muon_hyper: dict, adamw_hyper:
             "parameter must be in one group (add a group of the rest)"
         )
     return lowered
+
+
+def _name_and_route(index: int, user: object) -> tuple[str, str | None]:
+    """A user's group's name and route ("muon", "adamw" or None: each matrix's policy), its keys checked."""
+    if not isinstance(user, dict) or "params" not in user:
+        raise TypeError(f"param_groups[{index}] must be a dict with 'params', got {user!r:.80}")
+    unknown = set(user) - {"params", *NAME_KEYS, *GROUP_KEYS, *ROUTE_KEYS}
+    if unknown:
+        raise ValueError(
+            f"param_groups[{index}] has unknown key(s) {sorted(unknown)}; a group takes params, group_name, "
+            f"{', '.join(GROUP_KEYS)} and dmuon_route (AdamW's betas are 'adamw_betas')"
+        )
+    route = next((str(user[k]).strip().lower() for k in ROUTE_KEYS if k in user), None)
+    if route not in (None, "muon", "adamw"):
+        raise ValueError(
+            f"param_groups[{index}] routes its dedicated matrices to {route!r}: a group chooses 'muon' or "
+            "'adamw'; 'sharded_adamw' is a dedicate_params param_policy route"
+        )
+    return str(next((user[k] for k in NAME_KEYS if k in user), f"group_{index}")), route
 
 
 def _check_group(group: dict) -> None:

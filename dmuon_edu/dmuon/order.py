@@ -82,7 +82,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveOrder", "MODES", "SLOTS", "group_timeout"]
+__all__ = ["CollectiveOrder", "MODES", "SLOTS", "group_timeout", "compare_logs"]
 
 SLOTS = 1024
 MODES = ("strict", "per_step", "off")
@@ -154,7 +154,7 @@ class CollectiveOrder:
             diverged = self._divergence_report() if self.mode != "off" else None
             if diverged is None and self.mode != "off":
                 # a rank behind may refuse its event while this one compares logs: its report comes first
-                diverged = self.compare_logs() or self._divergence_report()
+                diverged = compare_logs(self) or self._divergence_report()
             if diverged is not None:
                 raise RuntimeError(
                     f"{diverged} (this rank, {self.rank}, was waiting in its event #{event}, "
@@ -223,31 +223,7 @@ class CollectiveOrder:
         self._report(index)
         self.store.set(f"{place}/{self.rank}", json.dumps(list(descriptions)))
         self.meetings.append(f"{place}/{self.rank}")
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        waiting, pause = [r for r in self.ranks if r != self.rank], 1e-4
-        while True:
-            for rank in list(waiting):
-                # how far it got, read before its key here: a rank writes that one first
-                report = self._get(f"{self.key}/at/{rank}")
-                theirs = self._get(f"{place}/{rank}")
-                if theirs is not None:
-                    self._compare(first, descriptions, json.loads(theirs), rank)
-                    waiting.remove(rank)
-                elif report is not None and _passed(report, self.steps, index):
-                    self._compare(first, descriptions, self.expected[index : index + len(descriptions)], rank)
-            if not waiting:
-                break
-            refused = self._divergence_report()
-            if refused is not None:  # a rank refused elsewhere: it will not come here
-                raise RuntimeError(f"{refused} (this rank, {self.rank}, was waiting for the others at its event "
-                                   f"#{first}, {descriptions[0]})")
-            if time.monotonic() > deadline:
-                self._refuse(f"dmuon: timed out waiting {self.timeout} (the collective timeout) for ranks {waiting} "
-                             f"at this rank's event #{first}, {descriptions[0]}: their last report puts them before "
-                             "it. A rank that stopped calling dmuon's collectives (an exception, an evaluation or "
-                             "an early exit on some ranks only) leaves the others waiting")
-            time.sleep(pause)
-            pause = min(2 * pause, 5e-3)
+        _wait_for_the_others(self, place, index, first, descriptions)
         self._report(index + len(descriptions))
 
     def _report(self, passed: int) -> None:
@@ -296,41 +272,74 @@ class CollectiveOrder:
         self.steps += 1
         self.expected, self.this_step, self.step_events = self.this_step, [], 0
 
-    def compare_logs(self) -> str | None:
-        """Publish this rank's recent events in the store, read the other ranks' (each waited for up to LOG_WAIT_S
-        in all), and describe the first event where two ranks differ; None if every log that came agrees."""
-        self.store.set(f"{self.key}/log/{self.rank}", json.dumps(list(self.log)))
-        self.round_trips += 1
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=LOG_WAIT_S)
-        mine, silent = dict(self.log), []
-        first = None  # (event, other rank, its description)
-        for rank in self.ranks:
-            if rank == self.rank:
-                continue
-            key = f"{self.key}/log/{rank}"
-            try:
-                self.store.wait([key], max(datetime.timedelta(milliseconds=1), deadline - datetime.datetime.now()))
-            except RuntimeError:  # DistStoreError: not there in time
-                silent.append(rank)
-                continue
-            theirs = dict(json.loads(self.store.get(key)))
-            for n in sorted(set(mine) | set(theirs)):
-                if mine.get(n) != theirs.get(n):
-                    if first is None or n < first[0]:
-                        first = (n, rank, theirs.get(n, "nothing (it had not got there)"))
-                    break
-        if first is None:
-            return None
-        n, rank, theirs = first
-        report = _message(n, self.rank, mine.get(n, "nothing (it had not got there)"), rank, theirs)
-        if silent:
-            report += f". Ranks {silent} sent no log within {LOG_WAIT_S:.0f} s (they are not waiting in dmuon)"
-        return report
-
     def _divergence_report(self) -> str | None:
         """The first divergence message a rank left, if any."""
         report = self._get(f"{self.key}/diverged")
         return report.decode() if report is not None else None
+
+
+def _wait_for_the_others(order: CollectiveOrder, place: str, index: int, first: int,
+                         descriptions: Sequence[str]) -> None:
+    """Until every other rank has left its batch at ``place`` (compared with this one) or reported that it ran
+    last step's batch there; raise if a rank refused elsewhere, or at the collective timeout."""
+    deadline = time.monotonic() + order.timeout.total_seconds()
+    waiting, pause = [r for r in order.ranks if r != order.rank], 1e-4
+    while True:
+        for rank in list(waiting):
+            # how far it got, read before its key here: a rank writes that one first
+            report = order._get(f"{order.key}/at/{rank}")
+            theirs = order._get(f"{place}/{rank}")
+            if theirs is not None:
+                order._compare(first, descriptions, json.loads(theirs), rank)
+                waiting.remove(rank)
+            elif report is not None and _passed(report, order.steps, index):
+                order._compare(first, descriptions, order.expected[index : index + len(descriptions)], rank)
+        if not waiting:
+            return
+        refused = order._divergence_report()
+        if refused is not None:  # a rank refused elsewhere: it will not come here
+            raise RuntimeError(f"{refused} (this rank, {order.rank}, was waiting for the others at its event "
+                               f"#{first}, {descriptions[0]})")
+        if time.monotonic() > deadline:
+            order._refuse(f"dmuon: timed out waiting {order.timeout} (the collective timeout) for ranks {waiting} "
+                          f"at this rank's event #{first}, {descriptions[0]}: their last report puts them before "
+                          "it. A rank that stopped calling dmuon's collectives (an exception, an evaluation or "
+                          "an early exit on some ranks only) leaves the others waiting")
+        time.sleep(pause)
+        pause = min(2 * pause, 5e-3)
+
+
+def compare_logs(order: CollectiveOrder) -> str | None:
+    """After a failed wait or a refused step: publish this rank's recent events in the store, read the other
+    ranks' (each waited for up to LOG_WAIT_S in all), and describe the first event where two ranks differ; None if
+    every log that came agrees."""
+    order.store.set(f"{order.key}/log/{order.rank}", json.dumps(list(order.log)))
+    order.round_trips += 1
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=LOG_WAIT_S)
+    mine, silent = dict(order.log), []
+    first = None  # (event, other rank, its description)
+    for rank in order.ranks:
+        if rank == order.rank:
+            continue
+        key = f"{order.key}/log/{rank}"
+        try:
+            order.store.wait([key], max(datetime.timedelta(milliseconds=1), deadline - datetime.datetime.now()))
+        except RuntimeError:  # DistStoreError: not there in time
+            silent.append(rank)
+            continue
+        theirs = dict(json.loads(order.store.get(key)))
+        for n in sorted(set(mine) | set(theirs)):
+            if mine.get(n) != theirs.get(n):
+                if first is None or n < first[0]:
+                    first = (n, rank, theirs.get(n, "nothing (it had not got there)"))
+                break
+    if first is None:
+        return None
+    n, rank, theirs = first
+    report = _message(n, order.rank, mine.get(n, "nothing (it had not got there)"), rank, theirs)
+    if silent:
+        report += f". Ranks {silent} sent no log within {LOG_WAIT_S:.0f} s (they are not waiting in dmuon)"
+    return report
 
 
 def _passed(report: bytes, steps: int, index: int) -> bool:

@@ -62,6 +62,38 @@ class Schedule:
     def actions(self, event: str, unit: int | None = None) -> tuple[Action, ...]:
         return self.table[(event, unit)]
 
+    def broadcasts(self, micro_batches: int) -> dict[str, int]:
+        """How often each unit is broadcast in one optimizer step of ``micro_batches`` forwards and backwards,
+        ``{"forward": ..., "backward": ...}``: the table walked in the order the hooks raise its events (every
+        unit's inputs but the first's need a gradient), an issue sending only for a unit not resident. The cost
+        model (step_time.py) counts dmuon's broadcasts with it."""
+        resident, sent = set(), {"forward": 0, "backward": 0}
+
+        def run(event, unit, phase):
+            for action in self.actions(event, unit):
+                if action.verb == "issue" and action.unit not in resident:
+                    resident.add(action.unit)
+                    sent[phase] += 1
+                elif action.verb == "release":
+                    resident.discard(action.unit)
+                elif action.verb == "release_all":
+                    resident.clear()
+
+        for _ in range(micro_batches):
+            watched = set()
+            for u in range(self.units):
+                run("forward", u, "forward")
+                run("forward_end", u, "forward")
+                watched |= {(a.verb, u) for a in self.actions("forward", u) + self.actions("forward_end", u)}
+            for u in reversed(range(self.units)):
+                if ("watch_backward", u) in watched:
+                    run("backward", u, "backward")
+                if ("watch_backward_end", u) in watched and u > 0:
+                    run("backward_end", u, "backward")
+            run("end_of_backward", None, "backward")
+        run("step", None, "backward")
+        return {phase: count // self.units for phase, count in sent.items()}  # the same for every unit
+
     def _build(self) -> dict[tuple[str, int | None], tuple[Action, ...]]:
         zero3 = self.reshard_after_forward
         table = {}

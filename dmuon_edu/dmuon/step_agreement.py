@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .order import compare_logs
+
 __all__ = ["StepAgreement"]
 
 
@@ -52,7 +54,7 @@ class StepAgreement:
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=everyone)
             if state.order.mode != "off" and (agreed[2] != -agreed[3] or agreed[4] != -agreed[5]):
                 raise RuntimeError(
-                    (state.order.compare_logs() or "dmuon: the ranks ran different collectives since the last step")
+                    (compare_logs(state.order) or "dmuon: the ranks ran different collectives since the last step")
                     + ". optimizer.step() refused the step on every rank: the gradients mixed layers"
                 )
         for order in state.orders:

@@ -56,6 +56,7 @@ from dmuon_edu.newton_schulz import ns_flops
 
 from .hardware import Hardware
 from .plan import layer_of, plan_owners
+from .schedule import Schedule
 
 __all__ = ["Workload", "Layout", "LAYOUTS", "MODELS", "StepTime", "Collective", "predict_step", "planned_collectives",
            "counted",
@@ -517,32 +518,64 @@ def planned_collectives(workload: Workload, layout: Layout, *, world_size: int, 
 
 def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: int, owners_plan,
                  ranks_per_node: int | None) -> list[Collective]:
-    dp_index, tp_index = divmod(rank, grid.tp)
-    replica, shard = divmod(dp_index, grid.shards)
-    size = _itemsize(workload.dtype)
+    plan = _StepCollectives(workload, layout, grid, N, rank, ranks_per_node)
+    plan.symmetric()
+    if layout.optimizer == "dmuon":
+        plan.dmuon(*owners_plan)
+    elif layout.optimizer == "muon" and grid.tp > 1:  # whole-matrix Muon: every rank gathers every split matrix
+        split = [n for n in workload.dedicated if workload.local_shape(n, grid.tp) != workload.shapes[n]]
+        whole = sum(math.prod(workload.shapes[n]) * plan.size for n in split)
+        group = grid.tp * (grid.shards if layout.sharding == "fsdp2" else 1)
+        plan.add("TP gather + scatter", "all_gather", len(split), whole, group, "step", counted=False)
+    if grid.tp > 1:
+        plan.tp_activations()
+    return plan.out
 
-    def nodes(group: int, stride: int = 1) -> int:  # ranks of a group sit stride apart in the global numbering
-        return 1 if not ranks_per_node else max(1, min(group, math.ceil(group * stride / ranks_per_node)))
 
-    def local_bytes(name):
-        return math.prod(workload.local_shape(name, grid.tp)) * size
+class _StepCollectives:
+    """The collectives of one rank's step, gathered part by part: the symmetric parameters' (FSDP2's gathers and
+    reduce-scatters, or the all-reduces of DDP and of dmuon's replicate), dmuon's, tensor parallelism's."""
 
-    out: list[Collective] = []
+    def __init__(self, workload: Workload, layout: Layout, grid: _Grid, N: int, rank: int,
+                 ranks_per_node: int | None):
+        self.workload, self.layout, self.grid, self.N = workload, layout, grid, N
+        self.dp_index, self.tp_index = divmod(rank, grid.tp)
+        self.replica, self.shard = divmod(self.dp_index, grid.shards)
+        self.size = _itemsize(workload.dtype)
+        self.ranks_per_node = ranks_per_node
+        self.out: list[Collective] = []
 
-    def add(what, collective, calls, nbytes, group, when, stride=1, **kw):
+    def nodes(self, group: int, stride: int = 1) -> int:  # ranks of a group sit stride apart in the global numbering
+        if not self.ranks_per_node:
+            return 1
+        return max(1, min(group, math.ceil(group * stride / self.ranks_per_node)))
+
+    def local_bytes(self, name: str) -> int:
+        return math.prod(self.workload.local_shape(name, self.grid.tp)) * self.size
+
+    def add(self, what, collective, calls, nbytes, group, when, stride=1, **kw) -> None:
         if calls and group > 1:
-            out.append(Collective(what, collective, calls, int(nbytes), group, when, nodes=nodes(group, stride), **kw))
+            self.out.append(Collective(what, collective, calls, int(nbytes), group, when,
+                                       nodes=self.nodes(group, stride), **kw))
 
-    dedicated = workload.dedicated if layout.optimizer == "dmuon" else frozenset()
-    sym = [n for n in workload.shapes if n not in dedicated]
-    units = list(dict.fromkeys(_unit_of(n) for n in workload.shapes))
-    layers = [u for u in units if u]
+    def symmetric(self) -> None:
+        workload, grid, N, add = self.workload, self.grid, self.N, self.add
+        dedicated = workload.dedicated if self.layout.optimizer == "dmuon" else frozenset()
+        sym = [n for n in workload.shapes if n not in dedicated]
+        if self.layout.sharding != "fsdp2":
+            sizes = [self.local_bytes(n) for n in reversed(sym)]  # backward order
+            if self.layout.optimizer == "dmuon":
+                buckets = _buckets(sizes, [REPLICATE_BUCKET_BYTES], closes_before=True)
+            else:
+                buckets = _buckets(sizes, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES], closes_before=False)
+            add("gradient reduces", "all_reduce", len(buckets), sum(buckets), grid.dp, "backward", grid.tp)
+            return
 
-    if layout.sharding == "fsdp2":
         def padded(name):  # FSDP2 pads dim 0 to a multiple of the shards
             shape = workload.local_shape(name, grid.tp)
             rows = math.ceil(shape[0] / grid.shards) * grid.shards
-            return rows * math.prod(shape[1:]) * size
+            return rows * math.prod(shape[1:]) * self.size
+        units = list(dict.fromkeys(_unit_of(n) for n in workload.shapes))
         unit_bytes = {u: sum(padded(n) for n in sym if _unit_of(n) == u) for u in units}
         unit_parameters = Counter(_unit_of(n) for n in sym)
         fsdp_units = [u for u in units if unit_bytes[u]]
@@ -556,16 +589,9 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
         add("gradient reduces", "reduce_scatter", len(fsdp_units), gathered_forward, grid.shards, "backward", stride)
         add("gradient reduces", "all_reduce", len(fsdp_units), gathered_forward / grid.shards, grid.replicas,
             "backward", stride * grid.shards)
-    else:
-        sizes = [local_bytes(n) for n in reversed(sym)]  # backward order
-        if layout.optimizer == "dmuon":
-            buckets = _buckets(sizes, [REPLICATE_BUCKET_BYTES], closes_before=True)
-        else:
-            buckets = _buckets(sizes, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES], closes_before=False)
-        add("gradient reduces", "all_reduce", len(buckets), sum(buckets), grid.dp, "backward", grid.tp)
 
-    if layout.optimizer == "dmuon":
-        plan, tp_owner = owners_plan
+    def dmuon(self, plan: dict[str, int], tp_owner: dict[str, int]) -> None:
+        workload, layout, grid, add, local_bytes = self.workload, self.layout, self.grid, self.add, self.local_bytes
         owner_shard = {n: plan[n] % grid.shards for n in plan}
         packs = Counter()  # (unit, owner's shard index) -> bytes: a broadcast within each replica
         buckets = Counter()  # (unit, owner) -> bytes: a reduce (HSDP: owners of two replicas share a shard index)
@@ -575,15 +601,14 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
         P = sum(packs.values())
         group = grid.shards
         if layout.sharding == "fsdp2":
-            passes = 2 * N if layout.reshard_after_forward else 1
-            forward_calls = N if layout.reshard_after_forward else 1
-            add("dmuon broadcasts", "broadcast", forward_calls * len(packs), forward_calls * P, group, "forward",
-                grid.tp, prefetched=layout.prefetch)
-            add("dmuon broadcasts", "broadcast", (passes - forward_calls) * len(packs), (passes - forward_calls) * P,
-                group, "backward", grid.tp, prefetched=layout.prefetch)
+            # each unit's broadcasts per step, as dmuon's schedule (schedule.py) issues them: Z3 2N, Z2 one
+            schedule = Schedule(len({unit for unit, _ in packs}), layout.reshard_after_forward, int(layout.prefetch))
+            for when, passes in schedule.broadcasts(self.N).items():
+                add("dmuon broadcasts", "broadcast", passes * len(packs), passes * P, group, when, grid.tp,
+                    prefetched=layout.prefetch)
         add("gradient reduces", "reduce", len(buckets), P, group, "backward", grid.tp)
         if grid.replicas > 1:  # stage 2: this holder's buckets on to the owner's replica; after the step, the publish
-            held = [n for n in plan if owner_shard[n] == shard]
+            held = [n for n in plan if owner_shard[n] == self.shard]
             add("gradient reduces", "reduce", len({(_unit_of(n), plan[n]) for n in held}),
                 sum(local_bytes(n) for n in held), grid.replicas, "backward", grid.shards)
             publishing = {plan[n] // grid.shards for n in held}
@@ -591,27 +616,22 @@ def _collectives(workload: Workload, layout: Layout, grid: _Grid, N: int, rank: 
                 grid.replicas, "after step", grid.shards)
         add("step all-reduce", "all_reduce", 1, STEP_FLAG_BYTES, grid.world, "step")
         if layout.sharding == "ddp":  # each owner's updated matrices to every rank, one pack per owner
-            owners = {plan[n] for n in plan}
-            add("post-step broadcast", "broadcast", len(owners), P, grid.dp, "after step", grid.tp)
+            add("post-step broadcast", "broadcast", len(set(plan.values())), P, grid.dp, "after step", grid.tp)
         if grid.tp > 1:  # the gradient shards this rank owns (DP), to their TP owner, and the update back
-            mine = [n for n in plan if plan[n] == dp_index and workload.local_shape(n, grid.tp) != workload.shapes[n]]
-            nbytes = sum(local_bytes(n) * (grid.tp if tp_owner[n] == tp_index else 1) for n in mine)
+            mine = [n for n in plan if plan[n] == self.dp_index
+                    and workload.local_shape(n, grid.tp) != workload.shapes[n]]
+            nbytes = sum(local_bytes(n) * (grid.tp if tp_owner[n] == self.tp_index else 1) for n in mine)
             add("TP gather + scatter", "gather", len(mine), nbytes, grid.tp, "step")
             add("TP gather + scatter", "scatter", len(mine), nbytes, grid.tp, "step")
-    elif layout.optimizer == "muon" and grid.tp > 1:  # whole-matrix Muon: every rank gathers every split matrix
-        split = [n for n in workload.dedicated if workload.local_shape(n, grid.tp) != workload.shapes[n]]
-        whole = sum(math.prod(workload.shapes[n]) * size for n in split)
-        group = grid.tp * (grid.shards if layout.sharding == "fsdp2" else 1)
-        add("TP gather + scatter", "all_gather", len(split), whole, group, "step", counted=False)
 
-    if grid.tp > 1:  # the activations of each TP-split module, per micro-batch (DTensor's functional collectives)
-        act = workload.tokens * size
-        for module, style in workload.tensor_parallel.items():
-            out_features, in_features = workload.shapes[f"{module}.weight"]
+    def tp_activations(self) -> None:
+        """The activations of each TP-split module, per micro-batch (DTensor's functional collectives)."""
+        act = self.workload.tokens * self.size
+        for module, style in self.workload.tensor_parallel.items():
+            out_features, in_features = self.workload.shapes[f"{module}.weight"]
             for collective, elements, when in _tp_activation_collectives(style, out_features, in_features):
-                add("TP activations", collective, N, N * act * elements, grid.tp, when, counted=False,
-                    prefetched=False, issued_by=style)
-    return out
+                self.add("TP activations", collective, self.N, self.N * act * elements, self.grid.tp, when,
+                         counted=False, prefetched=False, issued_by=style)
 
 
 def _tp_activation_collectives(style: str, out_features: int, in_features: int):
