@@ -101,8 +101,8 @@ def worker():
         opt = dmuon.Muon(model, adjust_lr_fn="original")  # the same update as the replicated Muon below
         model(x).square().mean().backward()  # gradients in place: the records' reduced_grad and FSDP2 shards
         state = model._dmuon
-        grads = {p: r.reduced_grad.clone() if r.reduced_grad is not None else torch.randn(p.shape, dtype=p.dtype)
-                 for p, r in zip(state.params.values(), state.records.values())}
+        grads = {p: g.clone() if (g := state.records[name].reduced_grad) is not None
+                 else torch.randn(p.shape, dtype=p.dtype) for name, p in state.params.items()}
 
         torch.manual_seed(0)
         replica = Net()

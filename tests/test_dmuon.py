@@ -448,8 +448,9 @@ def test_z2_keeps_params_through_the_window(checks):
 def test_a_dedicated_parameter_carries_nothing_of_dmuons_but_the_pointer_to_its_record(checks, layout):
     # Everything dmuon knows of a matrix is in its MatrixRecord (record.py); the parameter points to it, on its
     # owner and elsewhere, after a window and a step. (Before the record: 13 _dmuon_* attributes, _reduced_grad and
-    # _accumulated_grad.) Read on every rank: FSDP2 Z3 and Z2 on the structure check's model, the DDP backend, HSDP
-    # and DDP + TP after three steps of the direct-read check.
+    # _accumulated_grad.) Read on every rank: FSDP2 Z3 (after a no_sync window, zero_grad, and a step) and Z2 (after
+    # a window and a step) on the structure check's models, the DDP backend, HSDP and DDP + TP after three steps of
+    # the direct-read check.
     if layout in ("z3", "z2"):
         c = checks["zero_grad" if layout == "z3" else "z2_residency"]
     elif layout == "ddp_tp":

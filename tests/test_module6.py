@@ -171,7 +171,7 @@ def test_no_sync_keeps_p_m_of_gradients_on_every_rank_and_without_it_only_the_ow
     shapes = {name: tuple(p.shape) for name, p in dedicated_parameters(Problem().model()).items()}
     owners = dmuon.plan_owners(shapes, NPROC)
     owned = [sum(P_M // MATRICES for name in shapes if owners[name] == rank) for rank in range(NPROC)]
-    assert measured[f"{mode}, no_sync"] == [P_M] * NPROC  # every rank's _accumulated_grad of every matrix
+    assert measured[f"{mode}, no_sync"] == [P_M] * NPROC  # every rank's accumulated_grad of every matrix (its records)
     assert measured[f"{mode}, no no_sync"] == owned  # each reduce hands the gradient to its owner
 
 

@@ -20,7 +20,7 @@ import math
 import pytest
 
 from dmuon_edu import dmuon
-from dmuon_edu.dmuon.schedule import Action, Schedule
+from dmuon_edu.dmuon.schedule import GLOBAL_EVENTS, UNIT_EVENTS, Action, Schedule
 
 UNITS = 4
 
@@ -127,9 +127,10 @@ def cost_model_passes(zero3: bool, micro_batches: int) -> dict[str, int]:
 def test_the_schedule_keeps_its_promises_and_sends_what_the_cost_model_plans(zero3, depth, checkpointed, micro_batches):
     run = run_window(Schedule(UNITS, zero3, depth), micro_batches, checkpointed)
     assert run.faults == []
-    assert run.sends == cost_model_passes(zero3, micro_batches)
+    # The closed forms pin the counts; the cost model (which walks the same table) must agree with them too.
     assert run.sends == ({"forward": micro_batches * UNITS, "backward": micro_batches * UNITS} if zero3 else
                          {"forward": UNITS, "backward": 0})
+    assert run.sends == cost_model_passes(zero3, micro_batches)
 
 
 def test_the_cost_model_counts_two_broadcasts_per_micro_batch_in_z3_and_one_per_step_in_z2():
@@ -187,6 +188,21 @@ def test_every_wrong_schedule_breaks_a_promise(name):
              for depth in (0, 1) for checkpointed in (None, "non-reentrant", "reentrant")]
     # a mutation may go unnoticed in one setting (a prefetch may cover a moved broadcast), never in all of them
     assert any(run.faults or run.sends != cost_model_passes(zero3, 2) for run in wrong), name
+
+
+def test_every_event_of_every_unit_has_a_row_and_nothing_else_does():
+    schedule = Schedule(3, reshard_after_forward=True)
+    assert set(schedule.table) == {(e, u) for e in UNIT_EVENTS for u in range(3)} | {(e, None) for e in GLOBAL_EVENTS}
+
+
+def test_a_model_without_dedicated_matrices_is_planned_without_dmuon_broadcasts():
+    # A workload whose predicate selects nothing: the cost model plans FSDP2's collectives and the step's
+    # all-reduce, and no broadcast (a schedule of no units sends nothing).
+    workload = dataclasses.replace(dmuon.transformer(vocab=32, d_model=8, n_layer=2, ffn=16, sequence=4, tokens=8),
+                                   dedicated=frozenset())
+    planned = dmuon.planned_collectives(workload, dmuon.Layout("fsdp2", "dmuon"), world_size=2, micro_batches=2)
+    assert not [c for c in planned if c.what == "dmuon broadcasts"] and any(c.what == "FSDP2 gathers" for c in planned)
+    assert Schedule(0, True).broadcasts(2) == {"forward": 0, "backward": 0}
 
 
 def test_the_table_is_plain_data_a_reader_can_print():

@@ -94,14 +94,14 @@ INTERNALS = {
     "torch.utils._python_dispatch.TorchDispatchMode": ("distributed.py: count_collectives", dispatch_mode_sees_aten_ops),
     "torch.utils._foreach_utils._has_foreach_support": ("dmuon/clip.py: foreach norms", foreach_support_is_a_bool),
     "torch.autograd.Variable._execution_engine.queue_callback": (
-        "dmuon/dedicate.py, dmuon/ddp.py: work at the end of the backward", queued_callback_runs_after_the_backward),
-    "torch.utils._pytree.tree_leaves": ("dmuon/dedicate.py: a unit's tensor outputs", tree_leaves_flattens_containers),
-    "torch._C._current_graph_task_id": ("dmuon/dedicate.py: forward or backward", graph_task_id_tells_backward_from_forward),
+        "dmuon/gradients.py, dmuon/ddp.py: work at the end of the backward", queued_callback_runs_after_the_backward),
+    "torch.utils._pytree.tree_leaves": ("dmuon/residency.py: a unit's tensor inputs and outputs", tree_leaves_flattens_containers),
+    "torch._C._current_graph_task_id": ("dmuon/residency.py: forward or backward", graph_task_id_tells_backward_from_forward),
     "torch.optim.optimizer._get_scalar_dtype": ("dmuon/optim.py, dmuon/state.py: AdamW's step tensor",
                                                 scalar_dtype_is_adamws_step_dtype),
     "torch.cpu._is_avx512_bf16_supported, torch.cpu._is_amx_tile_supported": (
         "newton_schulz.py: cpu_bf16_flags", cpu_bf16_flags_are_bools),
-    "torch._C.DisableTorchFunctionSubclass": ("dmuon/placeholder.py, dmuon/dedicate.py: swapping a placeholder's data",
+    "torch._C.DisableTorchFunctionSubclass": ("dmuon/placeholder.py, dmuon/residency.py: swapping a placeholder's data",
                                               disabling_torch_function_skips_a_subclass),
     "torch.Tensor._use_count": ("distributed.py: barrier's wait for gloo's workers", use_count_counts_autograds_references),
 }
@@ -114,7 +114,7 @@ def test_each_private_torch_api_the_library_uses_still_behaves_as_it_relies_on(n
 
 
 def test_a_dtensors_local_tensor_can_be_swapped(one_rank_mesh):
-    # DTensor._local_tensor: dmuon/placeholder.py and dmuon/dedicate.py fill and empty a TP shard through it
+    # DTensor._local_tensor: dmuon/placeholder.py and dmuon/residency.py fill and empty a TP shard through it
     d = distribute_tensor(torch.zeros(2, 2), one_rank_mesh, [Replicate()])
     d._local_tensor = torch.ones(2, 2)
     assert torch.equal(d.to_local(), torch.ones(2, 2))

@@ -36,7 +36,7 @@ per optimizer step, the first N-1 inside no_sync):
   steps the shards. The only communication is one all_reduce of six float64 numbers
   (48 bytes): a flag, so that if any gradient on any rank holds NaN or Inf, every rank
   skips the step; a flag for a clip that saw only the FSDP2 gradients; and the order
-  check's event count and hash, each with its negation (optim.py).
+  check's event count and hash, each with its negation (step_agreement.py).
   Non-owner copies are dropped: the next forward's broadcast publishes the new values.
 
 HSDP (``dedicate_params(model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"])``
@@ -88,10 +88,11 @@ owners), publish.py (a step's results to the ranks that did not step them), boun
 (hook boundaries), dedicate.py (dedicate_params, the model's state, no_sync, ownership),
 dedicated_params.py (the public getters' snapshots), ddp.py (dedicate_params_ddp,
 replicate, and their TP forms), clip.py (clip_grad_norm_), ns_backend.py (the
-Newton-Schulz choice), optim.py (Muon), state.py (state dicts), diagnostics.py (summaries
-of the plan and the groups), hardware.py (the machine: collective costs, matmul rates,
-calibrate(), GPU presets), step_time.py (a step's predicted seconds, phase by phase, from
-the plan and the hardware; ``python -m dmuon_edu.dmuon`` prints one).
+Newton-Schulz choice), step_agreement.py (the step's all-reduce), optim.py (Muon),
+state.py (state dicts), diagnostics.py (summaries of the plan and the groups),
+hardware.py (the machine: collective costs, matmul rates, calibrate(), GPU presets),
+step_time.py (a step's predicted seconds, phase by phase, from the plan, the schedule
+and the hardware; ``python -m dmuon_edu.dmuon`` prints one).
 """
 
 from dmuon_edu.distributed import count_collectives as count_comm

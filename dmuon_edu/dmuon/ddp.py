@@ -24,16 +24,17 @@ count_comm counts (the whole tensor on every rank taking part):
   at the end of ``step()`` and waited at the next forward (``dmuon.Muon(...,
   replicate_async=True)``, the default; a direct read of a non-owner's matrix before it
   waits first: placeholder.py) or within ``step()``: P_M;
-- the step's all-reduce of a few numbers (optim.py).
+- the step's all-reduce of a few numbers (step_agreement.py).
 
 DDP with replicated Muon moves 2(W-1)/W * (P_M + P_R) per rank on a ring all-reduce; this
 backend moves (W-1)/W * P_M twice for the matrices (reduce, then broadcast) and runs each
 matrix's Newton-Schulz once instead of on every rank. The memory is DDP's: every rank
 holds every parameter; only the owner holds a matrix's momentum.
 
-Dedicated gradients are accumulated and reduced by dedicate.py's hooks, unchanged: this
-module only says that every rank holds every matrix (so no placeholders and no
-broadcast before a forward) and publishes the step's results. Mixed precision: a
+Dedicated gradients are accumulated and reduced as under dedicate_params (gradients.py):
+this module gives the state its own residency, ``LocalCopies`` (every rank holds every
+matrix: no placeholders and no broadcast before a forward), and its own publisher,
+``OwnersBroadcast`` (each owner's results to every rank). Mixed precision: a
 policy's ``param_dtype`` (or ``compute_dtype``) makes each rank compute with a copy of
 the matrix in that dtype, made at the first forward after each step, while the float32
 master stays with it.
@@ -55,13 +56,13 @@ from torch.distributed.tensor import DTensor
 
 from dmuon_edu.arguments import require_module
 
-from .boundary import HookBoundaryPredicate, HookBoundaryResolver
 from . import tp
+from .boundary import HookBoundaryPredicate, HookBoundaryResolver
 from .dedicate import DMuonState, _require_predicate, dedicate, no_sync, state_of
-from .publish import Publisher, finish_packed_broadcasts, start_packed_broadcasts
-from .residency import InFlight, Residency, Unit, local, outside_dynamo, set_data
 from .policy import PolicyFn
+from .publish import Publisher, finish_packed_broadcasts, start_packed_broadcasts
 from .record import record_of
+from .residency import InFlight, Residency, Unit, local, outside_dynamo, set_data
 
 __all__ = ["dedicate_params_ddp", "dedicate_params_ddp_tp", "replicate", "replicate_tp", "DDPState", "Replicated"]
 

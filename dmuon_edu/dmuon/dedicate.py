@@ -49,10 +49,10 @@ from dmuon_edu.distributed import release_gloo_workers_at_exit
 
 from . import fsdp_exclusion, placeholder, residency, tp
 from .boundary import HookBoundaryPredicate, HookBoundaryResolver, check_hook_boundary_arguments, hook_boundaries
+from .gradients import Bucket, Gradients
 from .names import fqn
 from .order import CollectiveOrder, group_timeout
 from .plan import plan_owners
-from .gradients import Bucket, Gradients
 from .policy import DMuonParamPolicy, PolicyFn, resolve_param_policies
 from .publish import Publisher
 from .record import MatrixRecord, TPShard, attach, record_of
@@ -402,8 +402,6 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
     state.schedule = Schedule(len(state.units), reshard_after_forward)
     model._dmuon = state
     return dict(owners)
-
-
 
 
 def _place_matrices(state: DMuonState, tp_placement: dict[str, TPShard]) -> None:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .dedicate import DMuonState, state_of
-from .residency import Unit
 from .optim import require_built_for
 from .record import record_of
+from .residency import Unit
 
 __all__ = ["summarize_param_groups", "summarize_comm_plan", "format_summary"]
 

@@ -43,6 +43,7 @@ FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 COLLECTOR = "_get_modules_and_states"
 COLLECTOR_PARAMETERS = ("module", "device", "ignored_params")
 
+
 def check_compatible():
     """The module holding fully_shard, after checking that it still collects parameters as expected.
 

@@ -291,7 +291,8 @@ class Muon(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the dedicated matrices' gradients (their records' and ``p.grad``) and the FSDP2 gradients."""
-        for p, record in zip(self._dmuon.params.values(), self._dmuon.records.values()):
+        for name, p in self._dmuon.params.items():
+            record = self._dmuon.records[name]
             record.reduced_grad = record.accumulated_grad = None
             p.grad = None
         for bucket in self._dmuon.gradients.buckets:  # what a backward that raised left unreduced

@@ -1,9 +1,9 @@
 """The residency schedule: at each hook event, which units to broadcast, land and release.
 
-A *unit* is the dedicated matrices one layer uses (dedicate.py). Whether a unit's
+A *unit* is the dedicated matrices one layer uses (residency.py). Whether a unit's
 matrices are on a rank that does not own them is decided here, as plain data, and
-carried out by the hooks (dedicate.py's executor), which look up their event and run its
-actions in order:
+carried out by the executor (residency.py's hooks and ``Residency.run``), which looks up
+each event and runs its actions in order:
 
 - ``issue u``: start unit u's broadcasts (nothing if u is resident already; under the
   DDP backend, which holds every matrix, a cast to the compute dtype);
@@ -67,13 +67,13 @@ class Schedule:
         ``{"forward": ..., "backward": ...}``: the table walked in the order the hooks raise its events (every
         unit's inputs but the first's need a gradient), an issue sending only for a unit not resident. The cost
         model (step_time.py) counts dmuon's broadcasts with it."""
-        resident, sent = set(), {"forward": 0, "backward": 0}
+        resident, sent = set(), {"forward": [0] * self.units, "backward": [0] * self.units}
 
         def run(event, unit, phase):
             for action in self.actions(event, unit):
                 if action.verb == "issue" and action.unit not in resident:
                     resident.add(action.unit)
-                    sent[phase] += 1
+                    sent[phase][action.unit] += 1
                 elif action.verb == "release":
                     resident.discard(action.unit)
                 elif action.verb == "release_all":
@@ -92,7 +92,9 @@ class Schedule:
                     run("backward_end", u, "backward")
             run("end_of_backward", None, "backward")
         run("step", None, "backward")
-        return {phase: count // self.units for phase, count in sent.items()}  # the same for every unit
+        if any(len(set(counts)) > 1 for counts in sent.values()):
+            raise ValueError(f"this schedule broadcasts its units unevenly ({sent}): count them one by one")
+        return {phase: counts[0] if counts else 0 for phase, counts in sent.items()}
 
     def _build(self) -> dict[tuple[str, int | None], tuple[Action, ...]]:
         zero3 = self.reshard_after_forward

@@ -540,7 +540,7 @@ class _StepCollectives:
                  ranks_per_node: int | None):
         self.workload, self.layout, self.grid, self.N = workload, layout, grid, N
         self.dp_index, self.tp_index = divmod(rank, grid.tp)
-        self.replica, self.shard = divmod(self.dp_index, grid.shards)
+        self.shard = self.dp_index % grid.shards
         self.size = _itemsize(workload.dtype)
         self.ranks_per_node = ranks_per_node
         self.out: list[Collective] = []
@@ -600,7 +600,7 @@ class _StepCollectives:
             buckets[(_unit_of(n), plan[n])] += local_bytes(n)
         P = sum(packs.values())
         group = grid.shards
-        if layout.sharding == "fsdp2":
+        if layout.sharding == "fsdp2" and packs:
             # each unit's broadcasts per step, as dmuon's schedule (schedule.py) issues them: Z3 2N, Z2 one
             schedule = Schedule(len({unit for unit, _ in packs}), layout.reshard_after_forward, int(layout.prefetch))
             for when, passes in schedule.broadcasts(self.N).items():

@@ -41,7 +41,6 @@ DTensor's own shape errors, not dmuon's named refusal).
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -1066,8 +1066,8 @@ def _storage_ok(model):
     """Between steps a non-owner holds no bytes of a dedicated matrix, and its owner all of them (under
     tensor parallelism: all of its TP shard)."""
     state = model._dmuon
-    owned = sum(r.master.numel() * r.master.element_size() for p, r in zip(state.params.values(),
-                                                                           state.records.values()) if state.owns(p))
+    owned = sum(state.records[n].master.numel() * state.records[n].master.element_size()
+                for n, p in state.params.items() if state.owns(p))
     return dmuon.held_bytes(model) == owned and not any(
         is_resident(p) for p in state.params.values() if not state.owns(p))
 
@@ -1117,6 +1117,8 @@ def check_structure(mesh):
     opt.zero_grad()
     cleared = all(r.reduced_grad is None and r.accumulated_grad is None for r in state.records.values()) and all(
         p.grad is None for p in model.parameters())
+    model(x).square().mean().backward()  # and a step, for what the parameters carry after one
+    opt.step()
     report("zero_grad", merged_and_reduced=all(per_rank(merged)), fsdp_had_grads=fsdp_grads,
            cleared_every_rank=all(per_rank(cleared)), attributes=per_rank(attributes_of_dedicated(model)))
 
