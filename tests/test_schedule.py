@@ -1,4 +1,4 @@
-"""dmuon's residency schedule (schedule.py), tested in one process, as data.
+"""dmuon's schedule (schedule.py), tested in one process, as data: residency, then gradients.
 
 A small model of the hooks runs windows of micro-batches through a schedule: the events
 autograd would raise (a unit's backward events only where a watch action asked for them,
@@ -9,6 +9,13 @@ backward; the broadcasts per step are the cost model's (Z3 2N per unit, Z2 one);
 unit only while it and the ``prefetch_depth`` units next to it run, Z2 from its first forward
 to the step; nothing is held after the step. Each mutation of the schedule (a broadcast moved
 to another event, a release or a watch dropped) fails one of them.
+
+The gradient rows run through a model of the gradient actions over windows of micro-batches
+(with no_sync on all but the last, or without it; one replica, or HSDP's two): every used
+matrix's owner receives each micro-batch's gradient exactly once; a complete bucket is
+reduced at once, not at the backward's end; inside no_sync every rank keeps every matrix's
+gradient and sends nothing; one reduce per bucket and window with no_sync, one per
+micro-batch without. Each wrong gradient schedule fails one of them.
 """
 
 from __future__ import annotations
@@ -211,4 +218,123 @@ def test_the_table_is_plain_data_a_reader_can_print():
         ("forward", 0): ["issue 0", "issue 1", "land 0"], ("forward", 1): ["issue 1", "land 1"],
         ("recompute", 0): ["issue 0", "land 0"], ("recompute", 1): ["issue 1", "land 1"],
         ("step", None): ["release_all"],
+        ("gradient_in_no_sync", None): ["keep"], ("gradient", None): ["merge_into_bucket"],
+        ("bucket_full", None): ["reduce"], ("end_of_backward", None): ["reduce_partial", "wait_reduces"],
     }
+
+
+# ---------------------------------------------------------------------------- gradients
+# Each unit's two matrices form its bucket; matrix (0, 1) gets no gradient (a frozen or unused matrix), which
+# leaves the first unit's bucket partial until the backward's end.
+MATRICES = [(u, i) for u in range(UNITS) for i in range(2)]
+UNUSED = (0, 1)
+
+
+@dataclasses.dataclass
+class Gradients:
+    """A model of the gradient actions over a window: which micro-batches each matrix keeps, each bucket holds,
+    each reduce carries, and its owner receives."""
+
+    schedule: Schedule
+    kept: dict = dataclasses.field(default_factory=dict)  # matrix -> micro-batches in accumulated_grad
+    ready: dict = dataclasses.field(default_factory=dict)  # bucket (unit) -> {matrix: micro-batches}
+    in_flight: list = dataclasses.field(default_factory=list)
+    held: list = dataclasses.field(default_factory=list)
+    received: dict = dataclasses.field(default_factory=lambda: {m: [] for m in MATRICES})
+    reduces: int = 0
+    faults: list = dataclasses.field(default_factory=list)
+
+    def event(self, name, subject=None):
+        for action in self.schedule.actions(name):
+            getattr(self, action.verb, lambda _subject: None)(subject)  # residency's verbs: not modelled here
+
+    def keep(self, subject):
+        matrix, micro_batch = subject
+        self.kept.setdefault(matrix, set()).add(micro_batch)
+
+    def merge_into_bucket(self, subject):
+        matrix, micro_batch = subject
+        bucket = self.ready.setdefault(matrix[0], {})
+        bucket[matrix] = self.kept.pop(matrix, set()) | {micro_batch}
+        if len(bucket) == 2:
+            self.event("bucket_full", matrix[0])
+
+    def reduce(self, unit):
+        self.in_flight.append(self.ready.pop(unit))
+        self.reduces += 1
+
+    def reduce_partial(self, _):
+        for unit in sorted(self.ready):
+            self.reduce(unit)
+
+    def wait_reduces(self, _):
+        if self.schedule.replicas > 1:  # HSDP: the holder's average goes on across the replicas
+            self.held += self.in_flight
+        else:
+            self.in_flight_landed(self.in_flight)
+        self.in_flight = []
+
+    def in_flight_landed(self, sent):
+        for bucket in sent:
+            for matrix, micro_batches in bucket.items():
+                self.received[matrix] += sorted(micro_batches)
+
+    def reduce_across_replicas(self, _):
+        self.in_flight_landed(self.held)
+        self.held = []
+
+
+def run_gradients(schedule: Schedule, micro_batches: int, use_no_sync: bool) -> Gradients:
+    run = Gradients(schedule)
+    for micro_batch in range(micro_batches):
+        inside = use_no_sync and micro_batch < micro_batches - 1
+        for matrix in reversed(MATRICES):  # backward order
+            if matrix != UNUSED:
+                run.event("gradient_in_no_sync" if inside else "gradient", (matrix, micro_batch))
+                full = [unit for unit, bucket in run.ready.items() if len(bucket) == 2]
+                if full:
+                    run.faults.append(f"bucket {full[0]} complete and not reduced: its reduce waits for nothing")
+        run.event("end_of_backward")
+        if inside and set(run.kept) != set(MATRICES) - {UNUSED}:
+            run.faults.append(f"inside no_sync the rank keeps {sorted(run.kept)}, not every matrix's gradient")
+    everything = list(range(micro_batches))
+    for matrix in MATRICES:
+        if matrix != UNUSED and run.received[matrix] != everything:
+            run.faults.append(f"{matrix}'s owner received micro-batches {run.received[matrix]}, not {everything}")
+    if run.kept:
+        run.faults.append(f"{sorted(run.kept)} still kept after the window: never reduced")
+    return run
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["FSDP2", "HSDP"])
+@pytest.mark.parametrize("zero3", [True, False], ids=["Z3", "Z2"])
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_every_gradient_reaches_its_owner_once_one_reduce_per_bucket_and_window_under_no_sync(replicas, zero3,
+                                                                                            micro_batches):
+    buckets = UNITS
+    with_no_sync = run_gradients(Schedule(UNITS, zero3, replicas=replicas), micro_batches, use_no_sync=True)
+    without = run_gradients(Schedule(UNITS, zero3, replicas=replicas), micro_batches, use_no_sync=False)
+    assert with_no_sync.faults == [] and without.faults == []
+    # no_sync: one reduce per bucket per window (P_M); without it, one per micro-batch (N P_M)
+    assert (with_no_sync.reduces, without.reduces) == (buckets, micro_batches * buckets)
+
+
+GRADIENT_MUTANTS = {
+    "reduce inside no_sync": (1, lambda s: _mutated(s, "gradient_in_no_sync", None,
+                                                   lambda _: [Action("merge_into_bucket")])),
+    "kept gradients never merged": (1, lambda s: _mutated(s, "gradient", None, lambda _: [Action("keep")])),
+    "a full bucket waits for the backward's end": (1, lambda s: _mutated(s, "bucket_full", None, lambda _: [])),
+    "partial buckets never reduced": (1, lambda s: _mutated(s, "end_of_backward", None, _without("reduce_partial"))),
+    "reduces never waited": (1, lambda s: _mutated(s, "end_of_backward", None, _without("wait_reduces"))),
+    "HSDP's stage 2 dropped": (2, lambda s: _mutated(s, "end_of_backward", None,
+                                                    _without("reduce_across_replicas"))),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_MUTANTS))
+def test_every_wrong_gradient_schedule_breaks_a_promise(name):
+    replicas, mutate = GRADIENT_MUTANTS[name]
+    runs = [run_gradients(mutate(Schedule(UNITS, True, replicas=replicas)), 3, use_no_sync)
+            for use_no_sync in (True, False)]
+    assert any(run.faults or run.reduces != (UNITS if use_no_sync else 3 * UNITS)
+               for run, use_no_sync in zip(runs, (True, False))), name

@@ -151,6 +151,13 @@ class DMuonState:
         record = record_of(p)
         return record.shape if record.tp is None else record.tp.full_shape
 
+    def run(self, event: str, unit: Unit | None = None, subject=()) -> None:
+        """The executor: carry out the schedule's actions at ``event`` (schedule.py), in order. ``unit``: the unit
+        the event is about; ``subject``: what a watch hooks (the unit's inputs or outputs), a gradient event's
+        (matrix, gradient), or a full bucket."""
+        for action in self.schedule.actions(event, None if unit is None else unit.index):
+            _EXECUTE[action.verb](self, None if action.unit is None else self.units[action.unit], subject)
+
     # -- dtypes ---------------------------------------------------------------------
     def compute_dtype(self, unit: Unit, p: nn.Parameter) -> torch.dtype:
         """The dtype ``p`` is broadcast and computed in: its policy's param_dtype, else fully_shard's, else its own."""
@@ -203,6 +210,23 @@ class DMuonState:
                     )
             unit.precision = (param_dtype, reduce_dtype)
         return unit.precision
+
+
+# Each verb of the schedule, and the call that carries it out (state, the action's unit, the event's subject).
+_EXECUTE = {
+    "issue": lambda state, unit, _: state.residency.issue_broadcasts(unit),
+    "land": lambda state, unit, _: state.residency.land(unit),
+    "release": lambda state, unit, _: state.residency.release(unit),
+    "release_all": lambda state, _unit, _: state.residency.release_all(),
+    "watch_backward": residency.watch_backward,
+    "watch_backward_end": residency.watch_backward_end,
+    "keep": lambda state, _unit, subject: state.gradients.keep(*subject),
+    "merge_into_bucket": lambda state, _unit, subject: state.gradients.merge_into_bucket(*subject),
+    "reduce": lambda state, _unit, bucket: state.gradients.issue_reduce(bucket),
+    "reduce_partial": lambda state, _unit, _: state.gradients.reduce_partial(),
+    "wait_reduces": lambda state, _unit, _: state.gradients.wait_reduces(),
+    "reduce_across_replicas": lambda state, _unit, _: state.gradients.reduce_across_replicas(),
+}
 
 
 def state_of(model: nn.Module) -> DMuonState:
@@ -399,7 +423,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                    if isinstance(p, DTensor) and not state.owns(p)}:
         placeholder.guard_state_dict(module)
     _build_units(model, state, aliases, boundaries)
-    state.schedule = Schedule(len(state.units), reshard_after_forward)
+    state.schedule = Schedule(len(state.units), reshard_after_forward, replicas=state.replicas)
     model._dmuon = state
     return dict(owners)
 

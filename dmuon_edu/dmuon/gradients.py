@@ -1,6 +1,7 @@
 """Gradients of the dedicated matrices: kept under no_sync, reduced to their owners in buckets.
 
-On each trainable dedicated parameter, a post-accumulate-grad hook (:meth:`Gradients.on_grad`):
+On each trainable dedicated parameter, a post-accumulate-grad hook (:meth:`Gradients.on_grad`)
+raises the schedule's gradient event (schedule.py), whose actions this module carries out:
 inside no_sync it moves ``p.grad`` into its record's ``accumulated_grad``; outside, it adds
 that and puts the gradient in its *bucket* (the matrices of one unit with one owner, replica
 and dtype). A complete bucket is reduced (AVG) to its owner at once, asynchronously, in one
@@ -45,6 +46,7 @@ class Gradients:
         self.buckets: list[Bucket] = []  # in model order, the same on every rank
         self.bucket_of: dict[nn.Parameter, Bucket] = {}
         self.reducing: list[InFlight] = []  # this backward's reduces, waited at its end
+        self.held: list[InFlight] = []  # HSDP: the reduces this rank holds, on their way to the stepping replica
         self.end_of_backward_queued = False
         # Whether a clip touched this window's gradients, for dmuon.Muon.step's check that a clip saw them all:
         self.symmetric_sample: torch.Tensor | None = None  # entries of the FSDP2 gradients after the last backward
@@ -67,20 +69,26 @@ class Gradients:
             )
 
     def on_grad(self, p: nn.Parameter) -> None:
-        """Called once p.grad holds this backward's whole gradient."""
-        record = record_of(p)
+        """Called once p.grad holds this backward's whole gradient: raises the schedule's "gradient" event
+        ("gradient_in_no_sync" inside no_sync) with the gradient, in the master's precision."""
         g, p.grad = local(p.grad), None
-        g = g.to(record.dtype)  # accumulate and keep in the master's precision
+        g = g.to(record_of(p).dtype)  # accumulate and keep in the master's precision
         self.queue_end_of_backward()
-        if self.state.in_no_sync:
-            record.accumulated_grad = g if record.accumulated_grad is None else record.accumulated_grad.add_(g)
-            return
+        self.state.run("gradient_in_no_sync" if self.state.in_no_sync else "gradient", subject=(p, g))
+
+    def keep(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        record = record_of(p)
+        record.accumulated_grad = g if record.accumulated_grad is None else record.accumulated_grad.add_(g)
+
+    def merge_into_bucket(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        """Add what no_sync kept, put the sum in the bucket, and raise "bucket_full" once the bucket is complete."""
+        record = record_of(p)
         if record.accumulated_grad is not None:
             g, record.accumulated_grad = record.accumulated_grad.add_(g), None
         bucket = self.bucket_of[p]
         bucket.ready[p] = g
         if len(bucket.ready) == len(bucket.params):
-            self.issue_reduce(bucket)
+            self.state.run("bucket_full", subject=bucket)
 
     def queue_end_of_backward(self) -> None:
         """Have :meth:`finish_backward` run when the backward running now ends (once)."""
@@ -103,15 +111,22 @@ class Gradients:
 
     def finish_backward(self) -> None:
         """At the end of a backward: the schedule's end-of-backward actions (Z3 releases every unit still
-        resident), then reduce what a partial bucket holds, wait for every reduce, and add the results into the
-        owners' records' ``reduced_grad``."""
-        state = self.state
+        resident; every partial bucket is reduced, and every reduce waited and added where it landed)."""
         self.end_of_backward_queued = False
-        state.residency.run("end_of_backward")
+        self.state.run("end_of_backward")
+        if not self.state.in_no_sync:
+            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
+            torch.autograd.Variable._execution_engine.queue_callback(outside_dynamo(self._sample_after_backward))
+
+    def reduce_partial(self) -> None:
         for bucket in self.buckets:  # model order on every rank: a matrix without a gradient leaves a bucket partial
             if bucket.ready:
                 self.issue_reduce(bucket)
-        held = []  # HSDP: the reduces this rank holds, whose replica averages go on to the replica that steps them
+
+    def wait_reduces(self) -> None:
+        """Wait for this backward's reduces; the owner adds each into its records' ``reduced_grad`` (HSDP: holds it
+        for :meth:`reduce_across_replicas`)."""
+        state = self.state
         for sent in self.reducing:
             with state.order.waiting(sent.event, sent.description):
                 sent.work.wait()
@@ -120,16 +135,13 @@ class Gradients:
             if state.replicas == 1:
                 _add_reduced(sent)
             else:
-                held.append(sent)
-        self._reduce_across_replicas(held)
+                self.held.append(sent)
         self.reducing.clear()
-        if not state.in_no_sync:
-            # After every callback queued so far: FSDP2's final one assigns the root's gradients.
-            torch.autograd.Variable._execution_engine.queue_callback(outside_dynamo(self._sample_after_backward))
 
-    def _reduce_across_replicas(self, held: list[InFlight]) -> None:
+    def reduce_across_replicas(self) -> None:
         """HSDP: each holder's replica averages on to the replica that steps them, checked as one batch."""
-        state = self.state
+        state, held = self.state, self.held
+        self.held = []
         if not held:
             return
         descriptions = [f"the reduce of {len(sent.params)} matrices' replica gradients to replica {sent.replica} "

@@ -256,7 +256,7 @@ class Muon(torch.optim.Optimizer):
         self._dmuon.microbatch = 0  # the next forward starts the next window
         # Owners step their masters; no copy a layer used is needed after the last backward.
         self._dmuon.publisher.wait()
-        self._dmuon.residency.run("step")
+        self._dmuon.run("step")
         if not self._agreement.agree([p for group in self.param_groups[1::2] for p in group["params"]]):
             self._agreement.close()
             self.skipped_steps += 1

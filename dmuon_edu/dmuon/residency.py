@@ -7,10 +7,11 @@ while some resident unit uses it (:meth:`Residency.release` drops it when the la
 goes); a non-owner's parameter is a guarded placeholder between uses (placeholder.py).
 
 The hooks on each unit's module (:func:`before_forward`, :func:`after_forward`) raise the
-unit's events; :meth:`Residency.run` carries out what the schedule (schedule.py) lists for
-each: issue, land, release, and watch for the unit's backward (a hook on its outputs, which
-autograd runs before the unit's own backward) and for its end (a multi-grad hook on its
-inputs, as FSDP2 does). A frozen matrix, which gets no gradient hook, is freed like any
+unit's events; the executor (``DMuonState.run``) carries out what the schedule
+(schedule.py) lists for each with this module: issue, land, release, and watch for the
+unit's backward (:func:`watch_backward`: a hook on its outputs, which autograd runs before
+the unit's own backward) and for its end (:func:`watch_backward_end`: a multi-grad hook on
+its inputs, as FSDP2 does). A frozen matrix, which gets no gradient hook, is freed like any
 other.
 
 Every broadcast is asynchronous (``async_op=True``) and waited just before its result is
@@ -34,7 +35,8 @@ from torch.utils._pytree import tree_leaves
 from . import placeholder
 from .record import record_of
 
-__all__ = ["InFlight", "Unit", "Residency", "before_forward", "after_forward", "resident_before", "outside_dynamo"]
+__all__ = ["InFlight", "Unit", "Residency", "before_forward", "after_forward", "watch_backward", "watch_backward_end",
+           "resident_before", "outside_dynamo"]
 
 
 @dataclass(eq=False)
@@ -67,23 +69,11 @@ class Unit:
 
 
 class Residency:
-    """Carries out the schedule's residency actions for one model's state: its owners broadcast (FSDP2's backend;
-    the DDP backend's, ddp.py, casts instead)."""
+    """The schedule's residency actions for one model's state: its owners broadcast (FSDP2's backend; the DDP
+    backend's, ddp.py, casts instead)."""
 
     def __init__(self, state):
         self.state = state
-
-    def run(self, event: str, unit: Unit | None = None, watched=()) -> None:
-        """Carry out the schedule's actions at ``event`` of ``unit`` in order; a watch action hooks the tensors in
-        ``watched`` (the unit's inputs, or its outputs)."""
-        for action in self.state.schedule.actions(event, None if unit is None else unit.index):
-            target = None if action.unit is None else self.state.units[action.unit]
-            if action.verb == "release_all":
-                self.release_all()
-            elif action.verb in _WATCHERS:
-                _WATCHERS[action.verb](self, target, watched)
-            else:
-                getattr(self, _METHODS[action.verb])(target)
 
     def make_resident(self, unit: Unit) -> None:
         """The unit's dedicated parameters hold their values on every rank (issued now if not yet)."""
@@ -148,9 +138,6 @@ class Residency:
             placeholder.release(p)
 
 
-_METHODS = {"issue": "issue_broadcasts", "land": "land", "release": "release"}
-
-
 # -- the hooks that raise the events ---------------------------------------------------------
 def before_forward(state, unit: Unit, inputs) -> None:
     recomputing = torch._C._current_graph_task_id() != -1  # inside a backward: activation checkpointing's rerun
@@ -158,39 +145,36 @@ def before_forward(state, unit: Unit, inputs) -> None:
         state.microbatch += 1
     state.order.note(f"the forward of {unit.path or 'the model'} in micro-batch {state.microbatch} of the window, "
                      f"{'inside' if state.in_no_sync else 'outside'} no_sync")
-    state.residency.run("recompute" if recomputing else "forward", unit, inputs)
+    state.run("recompute" if recomputing else "forward", unit, inputs)
 
 
 def after_forward(state, unit: Unit, output) -> None:
     if torch._C._current_graph_task_id() == -1:  # a rerun's end changes nothing: the unit's backward comes next
-        state.residency.run("forward_end", unit, output)
+        state.run("forward_end", unit, output)
 
 
-def _watch_backward(residency: Residency, unit: Unit, outputs) -> None:
+def watch_backward(state, unit: Unit, outputs) -> None:
     """Run the unit's "backward" event when autograd reaches it: a hook on an output's gradient runs before the
     backward of the operation that made the output, i.e. before the unit's backward."""
     if not torch.is_grad_enabled():
         return
 
     def before_backward(grad):
-        residency.state.gradients.queue_end_of_backward()
-        residency.run("backward", unit)
+        state.gradients.queue_end_of_backward()
+        state.run("backward", unit)
 
     for t in tree_leaves(outputs):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(before_backward)
 
 
-def _watch_backward_end(residency: Residency, unit: Unit, inputs) -> None:
+def watch_backward_end(state, unit: Unit, inputs) -> None:
     """Run the unit's "backward_end" event once autograd has the gradients of all its inputs that need one. A unit
     whose inputs need none (the first layer's) ends with the backward ("end_of_backward")."""
     needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if needing and torch.is_grad_enabled():
         torch.autograd.graph.register_multi_grad_hook(
-            needing, outside_dynamo(lambda _grads: residency.run("backward_end", unit)))
-
-
-_WATCHERS = {"watch_backward": _watch_backward, "watch_backward_end": _watch_backward_end}
+            needing, outside_dynamo(lambda _grads: state.run("backward_end", unit)))
 
 
 def resident_before(residency: Residency, unit: Unit):

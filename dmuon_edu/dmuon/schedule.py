@@ -1,9 +1,9 @@
-"""The residency schedule: at each hook event, which units to broadcast, land and release.
+"""dmuon's schedule: at each hook event, which units to broadcast, land and release, and what to reduce.
 
 A *unit* is the dedicated matrices one layer uses (residency.py). Whether a unit's
-matrices are on a rank that does not own them is decided here, as plain data, and
-carried out by the executor (residency.py's hooks and ``Residency.run``), which looks up
-each event and runs its actions in order:
+matrices are on a rank that does not own them, and what is reduced when, is decided here,
+as plain data. The hooks (residency.py, gradients.py) raise the events, and the executor
+(``DMuonState.run``, dedicate.py) looks each up and runs its actions in order:
 
 - ``issue u``: start unit u's broadcasts (nothing if u is resident already; under the
   DDP backend, which holds every matrix, a cast to the compute dtype);
@@ -16,6 +16,19 @@ each event and runs its actions in order:
 The events, per unit: ``forward`` (a forward starts, outside backward), ``recompute``
 (activation checkpointing runs it again inside backward), ``forward_end``, ``backward``,
 ``backward_end``; and, once, ``end_of_backward`` and ``step``.
+
+Gradients (gradients.py carries them out): a matrix's gradient of a backward raises
+``gradient`` (``gradient_in_no_sync`` inside no_sync), and its bucket (the matrices of one
+unit with one owner, replica and dtype) ``bucket_full`` when it is complete:
+
+- ``keep``: add the gradient into the matrix's ``accumulated_grad``, send nothing;
+- ``merge_into_bucket``: add what was kept, and put the sum in the matrix's bucket;
+- ``reduce``: start the full bucket's reduce (AVG) to its owner, in one packed buffer;
+- ``reduce_partial``, at the end of a backward: the same for every bucket that holds a
+  gradient (a matrix that got none leaves its bucket partial), in model order;
+- ``wait_reduces``: wait for this backward's reduces; the owner adds what it received into
+  the matrix's ``reduced_grad`` (HSDP: holds it for the next action);
+- ``reduce_across_replicas`` (HSDP): the held averages on to the replica that steps them.
 
 Z3 (``reshard_after_forward=True``) holds a unit only while it runs: released after its
 forward and broadcast again for its backward, 2 broadcasts per micro-batch. Z2 holds it
@@ -31,12 +44,12 @@ from dataclasses import dataclass, field
 __all__ = ["Action", "Schedule", "UNIT_EVENTS", "GLOBAL_EVENTS"]
 
 UNIT_EVENTS = ("forward", "recompute", "forward_end", "backward", "backward_end")
-GLOBAL_EVENTS = ("end_of_backward", "step")
+GLOBAL_EVENTS = ("end_of_backward", "step", "gradient", "gradient_in_no_sync", "bucket_full")
 
 
 @dataclass(frozen=True)
 class Action:
-    verb: str  # "issue", "land", "release", "release_all", "watch_backward", "watch_backward_end"
+    verb: str  # "issue", "land", "release", "release_all", "watch_backward", "watch_backward_end", or a gradient's
     unit: int | None = None
 
     def __repr__(self) -> str:
@@ -54,6 +67,7 @@ class Schedule:
     units: int
     reshard_after_forward: bool
     prefetch_depth: int = 1
+    replicas: int = 1  # HSDP's: the averages go on across the replicas
     table: dict[tuple[str, int | None], tuple[Action, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -109,8 +123,13 @@ class Schedule:
             table["forward_end", u] = (Action("release", u), Action("watch_backward", u)) if zero3 else ()
             table["backward", u] = (Action("issue", u), *behind, Action("land", u)) if zero3 else ()
             table["backward_end", u] = (Action("release", u),) if zero3 else ()
+        table["gradient_in_no_sync", None] = (Action("keep"),)
+        table["gradient", None] = (Action("merge_into_bucket"),)
+        table["bucket_full", None] = (Action("reduce"),)
         # Z3: units whose inputs needed no gradient (the first layer's), and prefetched units whose backward
         # did not come, are released at the end of the backward; every copy goes before the step.
-        table["end_of_backward", None] = (Action("release_all"),) if zero3 else ()
+        table["end_of_backward", None] = ((Action("release_all"),) if zero3 else ()) + (
+            Action("reduce_partial"), Action("wait_reduces"),
+            *[Action("reduce_across_replicas")] * (self.replicas > 1))
         table["step", None] = (Action("release_all"),)
         return table
