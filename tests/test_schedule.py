@@ -230,8 +230,11 @@ MATRICES = [(u, i) for u in range(UNITS) for i in range(2)]
 UNUSED = (0, 1)
 
 
+RESIDENCY_VERBS = {"issue", "land", "release", "release_all", "watch_backward", "watch_backward_end"}
+
+
 @dataclasses.dataclass
-class Gradients:
+class GradientRun:
     """A model of the gradient actions over a window: which micro-batches each matrix keeps, each bucket holds,
     each reduce carries, and its owner receives."""
 
@@ -246,7 +249,8 @@ class Gradients:
 
     def event(self, name, subject=None):
         for action in self.schedule.actions(name):
-            getattr(self, action.verb, lambda _subject: None)(subject)  # residency's verbs: not modelled here
+            if action.verb not in RESIDENCY_VERBS:  # modelled by Run above; a verb unknown to both fails here
+                getattr(self, action.verb)(subject)
 
     def keep(self, subject):
         matrix, micro_batch = subject
@@ -284,8 +288,8 @@ class Gradients:
         self.held = []
 
 
-def run_gradients(schedule: Schedule, micro_batches: int, use_no_sync: bool) -> Gradients:
-    run = Gradients(schedule)
+def run_gradients(schedule: Schedule, micro_batches: int, use_no_sync: bool) -> GradientRun:
+    run = GradientRun(schedule)
     for micro_batch in range(micro_batches):
         inside = use_no_sync and micro_batch < micro_batches - 1
         for matrix in reversed(MATRICES):  # backward order

@@ -80,7 +80,6 @@ class DMuonState:
     reshard_after_forward: bool
     params: dict[str, nn.Parameter]  # dedicated, by name, in model order
     records: dict[str, MatrixRecord]  # what this rank knows of each, by name (record.py)
-    owners: dict[str, int]  # name -> the owner's global rank (what ownership() reports)
     order: CollectiveOrder = field(repr=False)  # every collective over the mesh is checked by it
     replicate_mesh: DeviceMesh | None = None  # HSDP: the replicas' axis
     replicate_order: CollectiveOrder | None = field(default=None, repr=False)  # collectives along it
@@ -106,7 +105,7 @@ class DMuonState:
         self.replicas = self.replicate_mesh.size() if replicated else 1
         self.replicate_group = self.replicate_mesh.get_group() if replicated else None
         self.everyone = dist.group.WORLD if replicated else self.group  # a collective over every rank
-        # Its jobs, each a class of its own: residency (the schedule's executor), gradients, publishing
+        # Its jobs, each a class of its own, whose actions run() carries out: residency, gradients, publishing
         self.residency = self.residency_type(self)
         self.gradients = Gradients(self)
         self.publisher = self.publisher_type(self)
@@ -405,8 +404,7 @@ def dedicate(state_type: type[DMuonState], model: nn.Module, mesh: DeviceMesh, p
                                      owner_rank=owners[name], shape=local.shape, dtype=p.dtype,
                                      policy=policy_of[name], master=local, own_class=type(p))
         attach(p, records[name])
-    state = state_type(model, mesh, reshard_after_forward, params, records, owners, order, replicate_mesh,
-                       replicate_order)
+    state = state_type(model, mesh, reshard_after_forward, params, records, order, replicate_mesh, replicate_order)
     if tp_mesh is not None:  # across the TP group of each DP index: its gathers and scatters
         state.everyone = dist.group.WORLD
         state.tp_order = CollectiveOrder(f"{key}/tp-axis-{mesh.get_local_rank()}", dist.get_rank(),
@@ -694,7 +692,7 @@ def ownership(model: nn.Module) -> dict[str, int]:
     Raises:
         ValueError: ``dedicate_params`` was never called on ``model``.
     """
-    return dict(state_of(model).owners)
+    return {name: record.owner_rank for name, record in state_of(model).records.items()}
 
 
 def held_bytes(model: nn.Module) -> int:

@@ -85,7 +85,7 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, *
             "output_dtype": None, "master_dtype": _dtype_name(record.dtype), "optim_dtype": _dtype_name(record.dtype),
             "cast_forward_inputs": False, "matched_policy_overrides": list(policy.matched_overrides),
             "group_index": index, "group_name": optimizer.param_groups[index]["group_name"] if index is not None else None,
-            "owner_rank": [record.holder, record.replica], "owner_global_rank": state.owners[name],
+            "owner_rank": [record.holder, record.replica], "owner_global_rank": record.owner_rank,
             "is_owner": state.steps(p), "is_dtensor": False, "uses_sharded_adamw": False,
             "numel": record.shape.numel(), "shape": list(record.shape),
         })
@@ -158,8 +158,8 @@ def summarize_comm_plan(model: nn.Module, *, max_groups: int = 64, max_params_pe
             "param_dtype": _dtype_name(state.compute_dtype(unit, p)), "grad_dtype": _dtype_name(state.wire_dtype(unit, p)),
             "stage1_shard_reduce_root_global_rank": dist.get_global_rank(state.group, state.owner_of(p)),
             "stage2_replicate_axis_active_on_this_rank": state.replicas > 1 and state.owns(p),
-            "stage2_replicate_reduce_root_global_rank": state.owners[state.name_of[p]] if state.replicas > 1 else None,
-            "post_step_replicate_broadcast_root_global_rank": state.owners[state.name_of[p]] if state.replicas > 1 else None,
+            "stage2_replicate_reduce_root_global_rank": record_of(p).owner_rank if state.replicas > 1 else None,
+            "post_step_replicate_broadcast_root_global_rank": record_of(p).owner_rank if state.replicas > 1 else None,
         } for i, p in enumerate(unit.params[:max_params_per_group])]
         groups.append({
             "group_index": index, "debug_name": unit.path or "<root>", "shard_rank": state.rank,

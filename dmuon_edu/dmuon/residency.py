@@ -1,4 +1,4 @@
-"""Residency: the schedule's executor, which broadcasts, lands and releases each layer's matrices.
+"""Residency: the schedule's broadcasts, lands and releases of each layer's matrices, and the hooks that ask.
 
 A *unit* is the dedicated matrices one layer uses, packed per (owner, dtype): one
 broadcast each. ``Unit.resident`` is the one record of residency: set when the unit's

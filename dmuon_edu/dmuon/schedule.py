@@ -58,7 +58,7 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The residency actions of every event, for ``units`` units in model order.
+    """The actions of every event, residency's and the gradients', for ``units`` units in model order.
 
     ``table[(event, unit)]`` (``unit`` None for the global events) lists the actions, in
     the order the hooks run them.

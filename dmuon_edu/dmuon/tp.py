@@ -186,7 +186,7 @@ def full_tensor(state, p: nn.Parameter, value: torch.Tensor | None, shape, dtype
         buffer = (value.detach().clone() if state.steps(p)
                   else torch.empty(shape, dtype=dtype or record.dtype, device=state.mesh_device))
         with state.order.collective(f"the state dict's broadcast of {name}'s state from its TP owner"):
-            dist.broadcast(buffer, src=state.owners[name])
+            dist.broadcast(buffer, src=record.owner_rank)
         return buffer
     shard = (record.master.detach().clone() if state.owns(p)
              else torch.empty(record.shape, dtype=record.dtype, device=state.mesh_device))
